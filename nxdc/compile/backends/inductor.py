@@ -1,0 +1,54 @@
+"""torch.export + AOTInductor packages, with weights kept out of the compiled code.
+
+Packages are built with ``package_constants_in_so=False``: weights and KV caches are
+user-managed constants handed in at load time, shared by every bucket graph."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nxdc.compile.backends import check_device
+
+ARTIFACT = "model.pt2"
+
+
+def cpu_isa() -> str:
+    try:
+        return torch.backends.cpu.get_cpu_capability().lower()
+    except Exception:  # older torch or unusual CPU
+        return "unknown"
+
+
+class InductorBackend:
+    name = "inductor"
+
+    def __init__(self, device: str = "cpu"):
+        self.device = check_device(device)
+
+    def inductor_configs(self) -> dict[str, Any]:
+        return {"aot_inductor.package_constants_in_so": False}
+
+    def key_parts(self) -> dict[str, Any]:
+        return {
+            "backend": self.name,
+            "device": self.device.split(":")[0],
+            "torch": torch.__version__,
+            "isa": cpu_isa() if self.device == "cpu" else torch.cuda.get_device_capability(self.device),
+            "flags": self.inductor_configs(),
+        }
+
+    def compile(self, ep: torch.export.ExportedProgram, out_dir: Path) -> Path:
+        from torch._inductor import aoti_compile_and_package
+
+        out = out_dir / ARTIFACT
+        aoti_compile_and_package(ep, package_path=os.fspath(out), inductor_configs=self.inductor_configs())
+        return out
+
+    def load(self, path: Path):
+        from torch._inductor import aoti_load_package
+
+        return aoti_load_package(os.fspath(path))

@@ -1,0 +1,41 @@
+"""Trace one bucket's graph with torch.export.
+
+The decoder is built on the meta device and materialised uninitialised (``to_empty``): tracing
+needs shapes and dtypes, not values, and the real weights are handed in at load time."""
+
+from __future__ import annotations
+
+import torch
+
+from nxdc.compile.buckets import Bucket
+from nxdc.model.decoder import ContextEncoding, Decoder, TokenGeneration
+from nxdc.plan import ExportPlan
+from nxdc.spec import ModelSpec
+
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def build_decoder(spec: ModelSpec, plan: ExportPlan, device: str | None = None) -> Decoder:
+    with torch.device("meta"):
+        model = Decoder(spec, plan.batch_size, plan.sequence_length, TORCH_DTYPES[plan.dtype])
+    return model.to_empty(device=device or plan.device).eval()
+
+
+def graph_for(model: Decoder, bucket: Bucket) -> torch.nn.Module:
+    if bucket.kind == "context":
+        return ContextEncoding(model)
+    return TokenGeneration(model, bucket.length)
+
+
+def input_specs(bucket: Bucket, batch: int) -> list[tuple[str, tuple[int, ...]]]:
+    """The graph's inputs (all int64, contiguous): AOTInductor checks neither shapes nor
+    strides at run time, so the runtime feeds exactly these."""
+    if bucket.kind == "context":
+        return [("input_ids", (batch, bucket.length)), ("last_index", (batch,))]
+    return [("input_ids", (batch, 1)), ("positions", (batch,))]
+
+
+def trace(model: Decoder, bucket: Bucket, batch: int, device: str) -> torch.export.ExportedProgram:
+    args = tuple(torch.zeros(shape, dtype=torch.int64, device=device) for _, shape in input_specs(bucket, batch))
+    with torch.no_grad():
+        return torch.export.export(graph_for(model, bucket), args, strict=False)

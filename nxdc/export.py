@@ -1,0 +1,239 @@
+"""The export pipeline: resolve -> spec -> plan -> weights -> trace -> compile (cached) -> write.
+
+Plain functions; the CLI only parses options, calls ``run_export`` and renders the result."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+import nxdc
+from nxdc.archs import get_arch
+from nxdc.cache.keys import digest, model_code_digest, sha256_file
+from nxdc.cache.store import CompileCache
+from nxdc.compile.backends import get_backend
+from nxdc.compile.buckets import Bucket
+from nxdc.compile.trace import TORCH_DTYPES, build_decoder, input_specs, trace
+from nxdc.errors import UserInputError
+from nxdc.manifest import FORMAT, MANIFEST
+from nxdc.plan import ExportOptions, ExportPlan, make_plan
+from nxdc.progress import NullReporter, Reporter
+from nxdc.spec import ModelSpec, spec_from_config
+from nxdc.weights.sources import ModelSource, resolve
+
+
+@dataclass
+class BucketResult:
+    name: str
+    key: str
+    hit: bool
+    reason: str
+    seconds: float
+
+
+@dataclass
+class ExportResult:
+    out: Path
+    spec: ModelSpec
+    plan: ExportPlan
+    buckets: list[BucketResult] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "out": str(self.out),
+            "plan": self.plan.to_dict(),
+            "buckets": [vars(b) for b in self.buckets],
+            "cache_hits": sum(b.hit for b in self.buckets),
+            "compiled": sum(not b.hit for b in self.buckets),
+            "seconds": round(self.seconds, 2),
+        }
+
+
+def prepare(model: str, opts: ExportOptions) -> tuple[ModelSource, dict, ModelSpec, ExportPlan]:
+    """Resolve, map the config and validate the plan: everything that can fail fast."""
+    src = resolve(model)
+    cfg = src.config()
+    spec = spec_from_config(cfg)
+    plan = make_plan(spec, opts)
+    return src, cfg, spec, plan
+
+
+def write_weights(src: ModelSource, spec: ModelSpec, plan: ExportPlan, path: Path) -> dict[str, Any]:
+    """Map, cast and check every tensor; write one safetensors file in the runtime dtype."""
+    arch = get_arch(spec.arch)
+    expected = {n: tuple(p.shape) for n, p in _meta_decoder(spec, plan).state_dict().items()
+                if not n.endswith(("_cache", "rope_cos", "rope_sin"))}
+    if spec.tie_word_embeddings:
+        expected.pop("lm_head.weight", None)
+    dtype = TORCH_DTYPES[plan.dtype]
+    tensors: dict[str, torch.Tensor] = {}
+    for hf_name, t in src.tensors(spec):
+        name = arch.weight_name(hf_name)
+        if name is None or name not in expected:
+            continue
+        if tuple(t.shape) != expected[name]:
+            raise UserInputError(
+                f"{src.name}: weight {hf_name} has shape {tuple(t.shape)}, the config implies {expected[name]}"
+            )
+        tensors[name] = t.to(dtype).contiguous()
+    missing = sorted(set(expected) - set(tensors))
+    if missing:
+        raise UserInputError(f"{src.name}: weights missing from the checkpoint: {', '.join(missing[:5])}")
+    save_file(tensors, os.fspath(path), metadata={"format": "pt"})
+    return {"path": path.name, "bytes": path.stat().st_size, "sha256": sha256_file(path)}
+
+
+def _meta_decoder(spec: ModelSpec, plan: ExportPlan):
+    from nxdc.model.decoder import Decoder
+
+    with torch.device("meta"):
+        return Decoder(spec, plan.batch_size, plan.sequence_length, TORCH_DTYPES[plan.dtype])
+
+
+def key_parts(spec: ModelSpec, plan: ExportPlan, bucket: Bucket, backend, rank: int = 0) -> dict[str, Any]:
+    return {
+        "model": spec.to_dict(),
+        "bucket": bucket.name,
+        "batch_size": plan.batch_size,
+        "sequence_length": plan.sequence_length,
+        "dtype": plan.dtype,
+        "tp": plan.tp,
+        "rank": rank,
+        "code": model_code_digest(),
+        **backend.key_parts(),
+    }
+
+
+def namespace(backend) -> str:
+    p = backend.key_parts()
+    return f"{p['backend']}-{p['device']}-{p['torch']}-{p['isa']}".replace("/", "_").replace(" ", "")
+
+
+def compile_bucket(
+    cache: CompileCache, backend, spec: ModelSpec, plan: ExportPlan, bucket: Bucket, decoder_factory, dest: Path
+) -> BucketResult:
+    """Cache hit: copy the artifact. Miss: trace + compile under a per-key lock, then cache it."""
+    t0 = time.perf_counter()
+    parts = key_parts(spec, plan, bucket, backend)
+    key, ns = digest(parts), namespace(backend)
+    found = cache.get(ns, key, parts)
+    hit = found.path is not None
+    reason = found.reason
+    if not hit:
+        with cache.lock(ns, key):
+            again = cache.get(ns, key, parts)  # another export may have built it meanwhile
+            if again.path is not None:
+                found, hit, reason = again, True, "hit (built concurrently)"
+            else:
+                with tempfile.TemporaryDirectory(prefix="nxdc-compile-", dir=cache.root) as tmp:
+                    ep = trace(decoder_factory(), bucket, plan.batch_size, plan.device)
+                    backend.compile(ep, Path(tmp))
+                    found.path = cache.put(ns, key, parts, Path(tmp))
+    from nxdc.compile.backends.inductor import ARTIFACT
+
+    # a copy, not a hard link: the export dir must not share bytes with the cache entry
+    shutil.copyfile(found.path / ARTIFACT, dest)
+    return BucketResult(bucket.name, key, hit, reason, time.perf_counter() - t0)
+
+
+def run_export(
+    model: str,
+    out: str | os.PathLike,
+    opts: ExportOptions,
+    cache: CompileCache | None = None,
+    reporter: Reporter | None = None,
+) -> ExportResult:
+    t0 = time.perf_counter()
+    rep = reporter or NullReporter()
+    out = Path(out).resolve()
+    with rep.stage("plan"):
+        src, cfg, spec, plan = prepare(model, opts)
+        _check_out_dir(out)
+    backend = get_backend(plan.backend, plan.device)
+    cache = cache or CompileCache()
+    result = ExportResult(out, spec, plan)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        (tmp / "weights").mkdir()
+        (tmp / "artifacts").mkdir()
+        with rep.stage("weights"):
+            weights = write_weights(src, spec, plan, tmp / "weights" / "rank0.safetensors")
+        decoder = None
+
+        def factory():
+            nonlocal decoder
+            if decoder is None:
+                decoder = build_decoder(spec, plan)
+            return decoder
+
+        artifacts = {}
+        with rep.stage("compile", total=len(plan.buckets)):
+            for bucket in plan.buckets:
+                rep.bucket_start(bucket.name)
+                dest = tmp / "artifacts" / f"{bucket.name}.pt2"
+                br = compile_bucket(cache, backend, spec, plan, bucket, factory, dest)
+                rep.bucket_done(br.name, br.hit, br.reason, br.seconds)
+                result.buckets.append(br)
+                artifacts[bucket.name] = {
+                    "path": f"artifacts/{dest.name}",
+                    "key": br.key,
+                    "sha256": sha256_file(dest),
+                    "bytes": dest.stat().st_size,
+                    "inputs": input_specs(bucket, plan.batch_size),
+                }
+        with rep.stage("write"):
+            (tmp / "config.json").write_text(json.dumps(cfg, indent=2, default=str))
+            src.save_tokenizer(tmp)
+            if src.kind == "hf" and (src.path / "generation_config.json").is_file():
+                shutil.copy2(src.path / "generation_config.json", tmp / "generation_config.json")
+            manifest = {
+                "format": FORMAT,
+                "nxdc_version": nxdc.__version__,
+                "torch_version": torch.__version__,
+                "source": src.name,
+                "spec": spec.to_dict(),
+                "plan": plan.to_dict(),
+                "weights": {"rank0": weights},
+                "artifacts": artifacts,
+                "created": time.time(),
+            }
+            # The manifest is written last: a directory without it is never taken as an export.
+            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+            _publish(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+def _check_out_dir(out: Path) -> None:
+    if out.exists() and not out.is_dir():
+        raise UserInputError(f"output {out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not (out / MANIFEST).is_file():
+        raise UserInputError(f"output directory {out} is not empty and is not an nxdc export: refusing to replace it")
+
+
+def _publish(tmp: Path, out: Path) -> None:
+    """Swap the finished temp dir into place; an old export is replaced only once the new one
+    is complete."""
+    for p in [tmp, *tmp.rglob("*")]:
+        p.chmod(0o755 if p.is_dir() else 0o644)
+    old = None
+    if out.exists():
+        old = out.parent / f".{out.name}.old-{os.getpid()}"
+        os.rename(out, old)
+    os.rename(tmp, out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,60 @@
+"""Greedy and temperature / top-k / top-p sampling, reproducible with a seeded generator."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from nxdc.errors import UserInputError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1.0: off
+    seed: int | None = None
+
+    def validate(self) -> SamplingParams:
+        if self.temperature <= 0:
+            raise UserInputError(f"--temperature must be > 0 (got {self.temperature}); use greedy for 0")
+        if self.top_k < 0:
+            raise UserInputError(f"--top-k must be >= 0 (got {self.top_k})")
+        if not 0 < self.top_p <= 1:
+            raise UserInputError(f"--top-p must be in (0, 1] (got {self.top_p})")
+        return self
+
+
+def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Temperature, then top-k, then top-p (nucleus) on fp32 logits [n, vocab]."""
+    logits = logits.float() / params.temperature
+    if params.top_k and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        # drop a token when the tokens before it already reach top_p (the first always stays)
+        drop = (probs.cumsum(-1) - probs) >= params.top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    return logits
+
+
+class Sampler:
+    def __init__(self, params: SamplingParams):
+        self.params = params.validate()
+        self.generator = torch.Generator()
+        if params.seed is not None:
+            self.generator.manual_seed(params.seed)
+        else:
+            self.generator.seed()
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        logits = logits.float().cpu()
+        if not self.params.do_sample:
+            return logits.argmax(-1)
+        probs = filter_logits(logits, self.params).softmax(-1)
+        return torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)

@@ -1,0 +1,70 @@
+"""GQA attention over a static, in-place-updated KV cache.
+
+Layout: ``k_cache``/``v_cache`` are ``[batch, kv_heads, max_seq, head_dim]`` buffers. New
+keys/values are written with ``index_copy_`` into a flattened row view (row-only writes,
+never a whole-cache copy), at per-sequence positions. Queries are regrouped as
+``[batch, kv_heads, group * T, head_dim]`` so every KV head serves its query group without
+expanding the cache (no ``repeat_interleave``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nxdc.model.layers import apply_rope
+from nxdc.spec import ModelSpec
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec, batch: int, max_seq: int, dtype: torch.dtype, device=None):
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.max_seq = max_seq
+        h, d, b = spec.hidden_size, spec.head_dim, spec.attention_bias
+        kw = dict(dtype=dtype, device=device)
+        self.q_proj = nn.Linear(h, self.n_heads * d, bias=b, **kw)
+        self.k_proj = nn.Linear(h, self.n_kv * d, bias=b, **kw)
+        self.v_proj = nn.Linear(h, self.n_kv * d, bias=b, **kw)
+        self.o_proj = nn.Linear(self.n_heads * d, h, bias=b, **kw)
+        shape = (batch, self.n_kv, max_seq, d)
+        self.register_buffer("k_cache", torch.zeros(shape, **kw), persistent=True)
+        self.register_buffer("v_cache", torch.zeros(shape, **kw), persistent=True)
+
+    def _write(self, cache: torch.Tensor, new: torch.Tensor, positions: torch.Tensor) -> None:
+        bsz, n_kv, t, d = new.shape
+        rows = torch.arange(bsz * n_kv, device=new.device).view(bsz, n_kv, 1) * self.max_seq
+        idx = (rows + positions.view(bsz, 1, t)).reshape(-1)
+        cache.view(-1, d).index_copy_(0, idx, new.reshape(-1, d))
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [B, T, hidden]
+        cos: torch.Tensor,  # [B, 1, T, head_dim]
+        sin: torch.Tensor,
+        positions: torch.Tensor,  # [B, T] cache slot of each new token
+        mask: torch.Tensor,  # bool [B or 1, 1, T, S_attended]
+        kv_len: int | None,  # None: attend to the new tokens only (fresh prefill)
+    ) -> torch.Tensor:
+        bsz, t, _ = x.shape
+        d, n_kv = self.head_dim, self.n_kv
+        group = self.n_heads // n_kv
+        q = self.q_proj(x).view(bsz, t, self.n_heads, d).transpose(1, 2)
+        k = self.k_proj(x).view(bsz, t, n_kv, d).transpose(1, 2)
+        v = self.v_proj(x).view(bsz, t, n_kv, d).transpose(1, 2)
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
+        self._write(self.k_cache, k, positions)
+        self._write(self.v_cache, v, positions)
+        if kv_len is None:
+            keys, values = k, v
+        else:
+            keys, values = self.k_cache[:, :, :kv_len], self.v_cache[:, :, :kv_len]
+        # [B, Hq, T, D] -> [B, Hkv, G*T, D]: query heads kv*G .. kv*G+G-1 share KV head kv.
+        qg = q.reshape(bsz, n_kv, group * t, d)
+        s = mask.shape[-1]
+        gmask = mask.unsqueeze(2).expand(mask.shape[0], 1, group, t, s).reshape(-1, 1, group * t, s)
+        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=gmask)
+        out = out.reshape(bsz, self.n_heads, t, d).transpose(1, 2).reshape(bsz, t, -1)
+        return self.o_proj(out)

@@ -1,0 +1,94 @@
+"""The shared decoder and its per-graph wrappers (context encoding, token generation).
+
+Both wrappers hold the same ``Decoder`` under the same attribute name, so their exported
+graphs name every weight and KV-cache buffer identically: the runtime loads each tensor once
+and hands it to every graph as a user-managed constant.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from nxdc.model.attention import Attention
+from nxdc.model.layers import MLP, RMSNorm, rope_tables
+from nxdc.spec import ModelSpec
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec, batch: int, max_seq: int, dtype, device=None):
+        super().__init__()
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
+        self.self_attn = Attention(spec, batch, max_seq, dtype, device)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
+        self.mlp = MLP(spec, dtype, device)
+
+    def forward(self, h, cos, sin, positions, mask, kv_len):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, positions, mask, kv_len)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Decoder(nn.Module):
+    def __init__(self, spec: ModelSpec, batch: int, max_seq: int, dtype: torch.dtype, device=None):
+        super().__init__()
+        self.spec, self.batch, self.max_seq = spec, batch, max_seq
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device)
+        self.layers = nn.ModuleList(
+            DecoderLayer(spec, batch, max_seq, dtype, device) for _ in range(spec.num_layers)
+        )
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
+        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False, dtype=dtype, device=device)
+        if spec.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        cos, sin = rope_tables(spec, max_seq)
+        self.register_buffer("rope_cos", cos.to(device), persistent=False)
+        self.register_buffer("rope_sin", sin.to(device), persistent=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [B, T]
+        positions: torch.Tensor,  # [B, T]
+        mask: torch.Tensor,  # bool [B or 1, 1, T, S_attended]
+        kv_len: int | None,
+        last_index: torch.Tensor | None,  # [B]: which of the T positions to score
+    ) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)
+        cos = self.rope_cos[positions].to(h.dtype).unsqueeze(1)
+        sin = self.rope_sin[positions].to(h.dtype).unsqueeze(1)
+        for layer in self.layers:
+            h = layer(h, cos, sin, positions, mask, kv_len)
+        if last_index is None:
+            h = h[:, -1]
+        else:
+            h = h[torch.arange(h.shape[0], device=h.device), last_index]
+        return self.lm_head(self.norm(h)).float()
+
+
+class ContextEncoding(nn.Module):
+    """Prefill graph for one bucket: fresh prompts (right-padded to T) -> last-token logits."""
+
+    def __init__(self, model: Decoder):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, last_index: torch.Tensor) -> torch.Tensor:
+        bsz, t = input_ids.shape
+        pos = torch.arange(t, device=input_ids.device)
+        positions = pos.unsqueeze(0).expand(bsz, t)
+        mask = (pos.view(1, t) <= pos.view(t, 1)).view(1, 1, t, t)
+        return self.model(input_ids, positions, mask, None, last_index)
+
+
+class TokenGeneration(nn.Module):
+    """Decode graph: one new token per sequence at its own position, attending to
+    ``kv_len`` cache slots."""
+
+    def __init__(self, model: Decoder, kv_len: int):
+        super().__init__()
+        self.model = model
+        self.kv_len = kv_len
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        slots = torch.arange(self.kv_len, device=input_ids.device)
+        mask = (slots.view(1, 1, 1, -1) <= positions.view(-1, 1, 1, 1))
+        return self.model(input_ids, positions.view(-1, 1), mask, self.kv_len, None)

@@ -1,0 +1,150 @@
+"""ExportPlan: ModelSpec + options -> everything an export will do. Every "can't shard",
+"won't fit" and "bad option" error is raised here, before any weight is read."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from nxdc.compile.buckets import Bucket, context_buckets
+from nxdc.errors import UnsupportedError, UserInputError
+from nxdc.spec import ModelSpec
+
+DTYPES = ("fp32", "bf16")
+BACKENDS = ("inductor", "neuron")
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    """What the user asked for (CLI flags and/or a TOML preset)."""
+
+    tp: int = 1
+    batch_size: int = 1
+    sequence_length: int = 1024
+    max_context_length: int | None = None  # largest prefill bucket; default sequence_length
+    min_context_bucket: int = 128
+    context_buckets: tuple[int, ...] | None = None  # explicit list overrides powers of two
+    dtype: str = "fp32"
+    backend: str = "inductor"
+    device: str = "cpu"
+
+    @classmethod
+    def fields(cls) -> set[str]:
+        return {f.name for f in dataclasses.fields(cls)}
+
+
+@dataclass(frozen=True)
+class ExportPlan:
+    tp: int
+    batch_size: int
+    sequence_length: int
+    dtype: str
+    backend: str
+    device: str
+    buckets: tuple[Bucket, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ExportPlan:
+        d = dict(d)
+        d["buckets"] = tuple(Bucket(**b) for b in d["buckets"])
+        return cls(**d)
+
+    @property
+    def context(self) -> list[Bucket]:
+        return [b for b in self.buckets if b.kind == "context"]
+
+    @property
+    def decode(self) -> list[Bucket]:
+        return [b for b in self.buckets if b.kind == "decode"]
+
+
+def load_preset(path: str | os.PathLike) -> dict[str, Any]:
+    """A TOML export preset: keys are ExportOptions fields (dashes or underscores)."""
+    p = Path(path)
+    if not p.is_file():
+        raise UserInputError(f"config file {path} does not exist")
+    try:
+        raw = tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise UserInputError(f"config file {path} is not valid TOML: {e}") from e
+    data = raw.get("export", raw)
+    out = {k.replace("-", "_"): v for k, v in data.items() if k != "model"}
+    unknown = set(out) - ExportOptions.fields()
+    if unknown:
+        raise UserInputError(
+            f"config file {path}: unknown keys {', '.join(sorted(unknown))} "
+            f"(known: {', '.join(sorted(ExportOptions.fields()))})"
+        )
+    if "context_buckets" in out:
+        out["context_buckets"] = tuple(out["context_buckets"])
+    if "model" in data:
+        out["model"] = data["model"]
+    return out
+
+
+def _positive(name: str, value: int) -> None:
+    if not isinstance(value, int) or value < 1:
+        raise UserInputError(f"--{name.replace('_', '-')} must be a positive integer (got {value!r})")
+
+
+def make_plan(spec: ModelSpec, opts: ExportOptions) -> ExportPlan:
+    for name in ("tp", "batch_size", "sequence_length", "min_context_bucket"):
+        _positive(name, getattr(opts, name))
+    if opts.dtype not in DTYPES:
+        raise UserInputError(f"--dtype must be one of {', '.join(DTYPES)} (got {opts.dtype!r})")
+    if opts.backend not in BACKENDS:
+        raise UserInputError(f"--backend must be one of {', '.join(BACKENDS)} (got {opts.backend!r})")
+    from nxdc.compile.backends import get_backend
+
+    get_backend(opts.backend, opts.device)  # refuses unavailable backends/devices now
+    if opts.tp != 1:
+        raise UnsupportedError(
+            f"--tp {opts.tp}: tensor parallelism is not implemented yet in this version; use --tp 1"
+        )
+    if opts.sequence_length > spec.max_position_embeddings:
+        raise UserInputError(
+            f"--sequence-length {opts.sequence_length} exceeds the model's "
+            f"max_position_embeddings ({spec.max_position_embeddings})"
+        )
+    if spec.num_heads % spec.num_kv_heads:
+        raise UserInputError(
+            f"num_attention_heads ({spec.num_heads}) is not a multiple of "
+            f"num_key_value_heads ({spec.num_kv_heads})"
+        )
+    max_ctx = opts.max_context_length or opts.sequence_length
+    _positive("max_context_length", max_ctx)
+    if max_ctx > opts.sequence_length:
+        raise UserInputError(
+            f"--max-context-length {max_ctx} exceeds --sequence-length {opts.sequence_length}"
+        )
+    ctx = context_buckets(max_ctx, opts.min_context_bucket, opts.context_buckets)
+    if max(ctx) > opts.sequence_length:
+        raise UserInputError(
+            f"context bucket {max(ctx)} exceeds --sequence-length {opts.sequence_length}"
+        )
+    buckets = [Bucket("context", n) for n in ctx] + [Bucket("decode", opts.sequence_length)]
+    return ExportPlan(
+        tp=opts.tp,
+        batch_size=opts.batch_size,
+        sequence_length=opts.sequence_length,
+        dtype=opts.dtype,
+        backend=opts.backend,
+        device=opts.device,
+        buckets=tuple(buckets),
+    )
+
+
+def weight_bytes(spec: ModelSpec, dtype: str) -> int:
+    return spec.param_count() * (4 if dtype == "fp32" else 2)
+
+
+def kv_cache_bytes(spec: ModelSpec, plan: ExportPlan) -> int:
+    per = 4 if plan.dtype == "fp32" else 2
+    return 2 * spec.num_layers * plan.batch_size * spec.num_kv_heads * plan.sequence_length * spec.head_dim * per

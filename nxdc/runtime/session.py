@@ -1,0 +1,117 @@
+"""A loaded export: weights once, every bucket graph sharing them, a static KV cache.
+
+Safety rules the loader enforces, because AOTInductor does not:
+- a graph is callable only after all of its constants were loaded (calling it earlier
+  segfaults): ``CompiledGraph`` is created with its constants or not at all;
+- inputs must have exactly the traced shape, dtype and strides: every call copies into
+  preallocated contiguous input tensors after checking the shape.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from nxdc.cache.keys import sha256_file
+from nxdc.compile.backends import get_backend
+from nxdc.compile.buckets import Bucket, pick_context_bucket
+from nxdc.compile.trace import TORCH_DTYPES
+from nxdc.errors import ExportDirError, UserInputError
+from nxdc.manifest import load_manifest
+from nxdc.model.layers import rope_tables
+from nxdc.plan import ExportPlan
+from nxdc.runtime.threads import apply_threads
+from nxdc.spec import ModelSpec
+
+PREFIX = "model."  # graph wrappers hold the decoder as `.model`
+
+
+class CompiledGraph:
+    def __init__(self, name: str, loaded, constants: dict[str, torch.Tensor], inputs, device: str):
+        fqns = loaded.get_constant_fqns()
+        missing = sorted(set(fqns) - set(constants))
+        if missing:
+            raise ExportDirError(f"graph {name} needs constants the export lacks: {', '.join(missing[:4])}")
+        loaded.load_constants({f: constants[f] for f in fqns}, check_full_update=True, user_managed=True)
+        self.name = name
+        self._runner = loaded.loader
+        self._inputs = [torch.zeros(tuple(shape), dtype=torch.int64, device=device) for _, shape in inputs]
+
+    def __call__(self, *arrays: torch.Tensor) -> torch.Tensor:
+        for buf, a in zip(self._inputs, arrays, strict=True):
+            if tuple(a.shape) != tuple(buf.shape):
+                raise ValueError(f"{self.name}: input shape {tuple(a.shape)} != traced {tuple(buf.shape)}")
+            buf.copy_(a)
+        return self._runner.boxed_run(list(self._inputs))[0]
+
+
+class Session:
+    def __init__(self, export_dir: str | Path, threads: int | None = None, verify: bool = True):
+        self.dir = Path(export_dir)
+        self.manifest = load_manifest(self.dir)
+        self.spec = ModelSpec.from_dict(self.manifest["spec"])
+        self.plan = ExportPlan.from_dict(self.manifest["plan"])
+        self.threads = apply_threads(threads)
+        self.device = self.plan.device
+        backend = get_backend(self.plan.backend, self.device)
+        self.constants = self._constants()
+        self.graphs: dict[str, CompiledGraph] = {}
+        for name, art in self.manifest["artifacts"].items():
+            path = self.dir / art["path"]
+            if not path.is_file():
+                raise ExportDirError(f"{self.dir}: compiled artifact {art['path']} is missing: re-run nxdc export")
+            if verify and sha256_file(path) != art["sha256"]:
+                raise ExportDirError(f"{self.dir}: compiled artifact {art['path']} is corrupt (sha256 mismatch)")
+            self.graphs[name] = CompiledGraph(name, backend.load(path), self.constants, art["inputs"], self.device)
+
+    def _constants(self) -> dict[str, torch.Tensor]:
+        info = self.manifest["weights"]["rank0"]
+        path = self.dir / "weights" / info["path"]
+        if not path.is_file() or path.stat().st_size != info["bytes"]:
+            raise ExportDirError(f"{self.dir}: weights file {path.name} is missing or truncated: re-run nxdc export")
+        consts = {PREFIX + k: v for k, v in load_file(str(path), device=self.device).items()}
+        if self.spec.tie_word_embeddings:
+            consts[PREFIX + "lm_head.weight"] = consts[PREFIX + "embed_tokens.weight"]
+        cos, sin = rope_tables(self.spec, self.plan.sequence_length)
+        consts[PREFIX + "rope_cos"], consts[PREFIX + "rope_sin"] = cos.to(self.device), sin.to(self.device)
+        s, p = self.spec, self.plan
+        shape = (p.batch_size, s.num_kv_heads, p.sequence_length, s.head_dim)
+        dtype = TORCH_DTYPES[p.dtype]
+        for i in range(s.num_layers):
+            for kind in ("k_cache", "v_cache"):
+                consts[f"{PREFIX}layers.{i}.self_attn.{kind}"] = torch.zeros(shape, dtype=dtype, device=self.device)
+        return consts
+
+    @property
+    def batch_size(self) -> int:
+        return self.plan.batch_size
+
+    @property
+    def max_seq(self) -> int:
+        return self.plan.sequence_length
+
+    def context_bucket(self, n_tokens: int) -> Bucket:
+        return pick_context_bucket(self.plan.context, n_tokens)
+
+    def prefill(self, prompts: list[list[int]], pad_id: int = 0) -> torch.Tensor:
+        """Fresh prompts (each at positions 0..len-1) -> logits [batch, vocab] at each last token."""
+        if not prompts or len(prompts) > self.batch_size:
+            raise UserInputError(f"got {len(prompts)} prompts; this export takes 1 to {self.batch_size}")
+        if any(len(p) == 0 for p in prompts):
+            raise UserInputError("a prompt encodes to zero tokens")
+        bucket = self.context_bucket(max(len(p) for p in prompts))
+        ids = torch.full((self.batch_size, bucket.length), pad_id, dtype=torch.int64)
+        last = torch.zeros(self.batch_size, dtype=torch.int64)
+        for i, p in enumerate(prompts):
+            ids[i, : len(p)] = torch.tensor(p, dtype=torch.int64)
+            last[i] = len(p) - 1
+        return self.graphs[bucket.name](ids, last)
+
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """One token per sequence at its own cache position -> logits [batch, vocab]."""
+        if int(positions.max()) >= self.max_seq:
+            raise UserInputError(f"position {int(positions.max())} is past the sequence length {self.max_seq}")
+        decode = self.plan.decode[0]
+        return self.graphs[decode.name](tokens.view(-1, 1), positions)

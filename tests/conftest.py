@@ -1,0 +1,81 @@
+"""Session-wide fixtures: a temp compile cache, tiny models and their exports (each exported
+once per session and shared), and the embedded SmolLM2 export."""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+os.environ["HF_HUB_OFFLINE"] = "1"  # tests never download
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+warnings.filterwarnings("ignore", category=FutureWarning)
+
+from tiny import make_tiny_llama  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("nxdc-cache")
+    os.environ["NXDC_CACHE_DIR"] = str(d)
+    return d
+
+
+@pytest.fixture(scope="session")
+def tiny_gqa(tmp_path_factory) -> Path:
+    """GQA (4 heads / 2 KV heads), untied, Llama-3 rope scaling."""
+    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64, "rope_theta": 10000.0}
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny-gqa"), seed=1, rope_scaling=rope)
+
+
+@pytest.fixture(scope="session")
+def tiny_gqa_export(tiny_gqa, cache_dir, tmp_path_factory) -> Path:
+    from nxdc.export import run_export
+    from nxdc.plan import ExportOptions
+
+    out = tmp_path_factory.mktemp("exports") / "tiny-gqa"
+    opts = ExportOptions(batch_size=2, sequence_length=64, context_buckets=(16, 32))
+    run_export(str(tiny_gqa), out, opts)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_mha_bf16_export(cache_dir, tmp_path_factory) -> tuple[Path, Path]:
+    """MHA (4/4 heads), tied embeddings, exported in bf16."""
+    from nxdc.export import run_export
+    from nxdc.plan import ExportOptions
+
+    src = make_tiny_llama(tmp_path_factory.mktemp("tiny-mha"), seed=2, num_key_value_heads=4,
+                          tie_word_embeddings=True)
+    out = tmp_path_factory.mktemp("exports") / "tiny-mha-bf16"
+    run_export(str(src), out, ExportOptions(batch_size=1, sequence_length=32, context_buckets=(32,), dtype="bf16"))
+    return src, out
+
+
+@pytest.fixture(scope="session")
+def smollm2_export(cache_dir, tmp_path_factory) -> Path:
+    from nxdc.export import run_export
+    from nxdc.plan import ExportOptions
+
+    out = tmp_path_factory.mktemp("exports") / "smollm2"
+    run_export("smollm2-135m", out, ExportOptions(batch_size=1, sequence_length=128, context_buckets=(64,)))
+    return out
+
+
+@pytest.fixture(scope="session")
+def smollm2_reference():
+    """transformers' own load of the same GGUF: the reference implementation."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from nxdc.weights.sources import embedded_path
+
+    p = embedded_path("smollm2-135m")
+    model = AutoModelForCausalLM.from_pretrained(p.parent, gguf_file=p.name, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name)
+    return model, tok
