@@ -71,8 +71,11 @@ def prepare(model: str, opts: ExportOptions) -> tuple[ModelSource, dict, ModelSp
 def write_weights(src: ModelSource, spec: ModelSpec, plan: ExportPlan, path: Path) -> dict[str, Any]:
     """Map, cast and check every tensor; write one safetensors file in the runtime dtype."""
     arch = get_arch(spec.arch)
-    expected = {n: tuple(p.shape) for n, p in _meta_decoder(spec, plan).state_dict().items()
-                if not n.endswith(("_cache", "rope_cos", "rope_sin"))}
+    expected = {
+        n: tuple(p.shape)
+        for n, p in _meta_decoder(spec, plan).state_dict().items()
+        if not n.endswith(("_cache", "rope_cos", "rope_sin"))
+    }
     if spec.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
     dtype = TORCH_DTYPES[plan.dtype]
@@ -120,7 +123,13 @@ def namespace(backend) -> str:
 
 
 def compile_bucket(
-    cache: CompileCache, backend, spec: ModelSpec, plan: ExportPlan, bucket: Bucket, decoder_factory, dest: Path
+    cache: CompileCache,
+    backend,
+    spec: ModelSpec,
+    plan: ExportPlan,
+    bucket: Bucket,
+    decoder_factory,
+    dest: Path,
 ) -> BucketResult:
     """Cache hit: copy the artifact. Miss: trace + compile under a per-key lock, then cache it."""
     t0 = time.perf_counter()
@@ -222,7 +231,9 @@ def _check_out_dir(out: Path) -> None:
     if out.exists() and not out.is_dir():
         raise UserInputError(f"output {out} exists and is not a directory")
     if out.is_dir() and any(out.iterdir()) and not (out / MANIFEST).is_file():
-        raise UserInputError(f"output directory {out} is not empty and is not an nxdc export: refusing to replace it")
+        raise UserInputError(
+            f"output directory {out} is not empty and is not an nxdc export: refusing to replace it"
+        )
 
 
 def _publish(tmp: Path, out: Path) -> None:

@@ -21,7 +21,9 @@ def load_manifest(export_dir: str | Path) -> dict[str, Any]:
         raise ExportDirError(f"export directory {d} does not exist")
     f = d / MANIFEST
     if not f.is_file():
-        raise ExportDirError(f"{d} is not an nxdc export (no {MANIFEST}): run `nxdc export MODEL -o {d}` first")
+        raise ExportDirError(
+            f"{d} is not an nxdc export (no {MANIFEST}): run `nxdc export MODEL -o {d}` first"
+        )
     try:
         m = json.loads(f.read_text())
     except (OSError, json.JSONDecodeError) as e:

@@ -24,7 +24,7 @@ class ExportOptions:
 
     tp: int = 1
     batch_size: int = 1
-    sequence_length: int = 1024
+    sequence_length: int | None = None  # default: min(1024, max_position_embeddings)
     max_context_length: int | None = None  # largest prefill bucket; default sequence_length
     min_context_bucket: int = 128
     context_buckets: tuple[int, ...] | None = None  # explicit list overrides powers of two
@@ -94,7 +94,14 @@ def _positive(name: str, value: int) -> None:
         raise UserInputError(f"--{name.replace('_', '-')} must be a positive integer (got {value!r})")
 
 
+DEFAULT_SEQUENCE_LENGTH = 1024
+
+
 def make_plan(spec: ModelSpec, opts: ExportOptions) -> ExportPlan:
+    if opts.sequence_length is None:
+        opts = dataclasses.replace(
+            opts, sequence_length=min(DEFAULT_SEQUENCE_LENGTH, spec.max_position_embeddings)
+        )
     for name in ("tp", "batch_size", "sequence_length", "min_context_bucket"):
         _positive(name, getattr(opts, name))
     if opts.dtype not in DTYPES:
@@ -126,9 +133,7 @@ def make_plan(spec: ModelSpec, opts: ExportOptions) -> ExportPlan:
         )
     ctx = context_buckets(max_ctx, opts.min_context_bucket, opts.context_buckets)
     if max(ctx) > opts.sequence_length:
-        raise UserInputError(
-            f"context bucket {max(ctx)} exceeds --sequence-length {opts.sequence_length}"
-        )
+        raise UserInputError(f"context bucket {max(ctx)} exceeds --sequence-length {opts.sequence_length}")
     buckets = [Bucket("context", n) for n in ctx] + [Bucket("decode", opts.sequence_length)]
     return ExportPlan(
         tp=opts.tp,
@@ -147,4 +152,6 @@ def weight_bytes(spec: ModelSpec, dtype: str) -> int:
 
 def kv_cache_bytes(spec: ModelSpec, plan: ExportPlan) -> int:
     per = 4 if plan.dtype == "fp32" else 2
-    return 2 * spec.num_layers * plan.batch_size * spec.num_kv_heads * plan.sequence_length * spec.head_dim * per
+    return (
+        2 * spec.num_layers * plan.batch_size * spec.num_kv_heads * plan.sequence_length * spec.head_dim * per
+    )

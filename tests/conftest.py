@@ -28,8 +28,14 @@ def cache_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_gqa(tmp_path_factory) -> Path:
     """GQA (4 heads / 2 KV heads), untied, Llama-3 rope scaling."""
-    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 64, "rope_theta": 10000.0}
+    rope = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+        "rope_theta": 10000.0,
+    }
     return make_tiny_llama(tmp_path_factory.mktemp("tiny-gqa"), seed=1, rope_scaling=rope)
 
 
@@ -50,10 +56,13 @@ def tiny_mha_bf16_export(cache_dir, tmp_path_factory) -> tuple[Path, Path]:
     from nxdc.export import run_export
     from nxdc.plan import ExportOptions
 
-    src = make_tiny_llama(tmp_path_factory.mktemp("tiny-mha"), seed=2, num_key_value_heads=4,
-                          tie_word_embeddings=True)
+    src = make_tiny_llama(
+        tmp_path_factory.mktemp("tiny-mha"), seed=2, num_key_value_heads=4, tie_word_embeddings=True
+    )
     out = tmp_path_factory.mktemp("exports") / "tiny-mha-bf16"
-    run_export(str(src), out, ExportOptions(batch_size=1, sequence_length=32, context_buckets=(32,), dtype="bf16"))
+    run_export(
+        str(src), out, ExportOptions(batch_size=1, sequence_length=32, context_buckets=(32,), dtype="bf16")
+    )
     return src, out
 
 

@@ -56,8 +56,15 @@ def test_greedy_generation_matches_transformers(tiny_gqa, tiny_gqa_export):
     model = hf_model(tiny_gqa)
     for prompt, seq in zip(prompts, res.sequences, strict=True):
         ids = tok(prompt, return_tensors="pt").input_ids
-        want = model.generate(ids, max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=0)
-        assert seq.token_ids == want[0, ids.shape[1]:].tolist()
+        want = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=20,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+        assert seq.token_ids == want[0, ids.shape[1] :].tolist()
 
 
 def test_second_export_is_full_cache_hit(tiny_gqa, tiny_gqa_export, tmp_path, monkeypatch):
@@ -126,6 +133,8 @@ def test_reexport_replaces_only_when_complete(tiny_gqa, tiny_gqa_export, tmp_pat
 
     monkeypatch.setattr(ex, "write_weights", boom)
     with pytest.raises(RuntimeError):
-        run_export(str(tiny_gqa), out, ExportOptions(batch_size=2, sequence_length=64, context_buckets=(16, 32)))
+        run_export(
+            str(tiny_gqa), out, ExportOptions(batch_size=2, sequence_length=64, context_buckets=(16, 32))
+        )
     assert (out / "nxdc.json").is_file()
     Session(out)  # still loads

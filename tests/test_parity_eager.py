@@ -12,16 +12,27 @@ from nxdc.archs import get_arch
 from nxdc.model.decoder import ContextEncoding, Decoder, TokenGeneration
 from nxdc.spec import spec_from_config
 
-LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-          "original_max_position_embeddings": 32, "rope_theta": 500000.0}
+LLAMA3 = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,
+    "rope_theta": 500000.0,
+}
 CASES = {
     "gqa": {},
     "mha": {"num_key_value_heads": 4},
     "mqa-tied": {"num_key_value_heads": 1, "tie_word_embeddings": True},
     "llama3-rope": {"rope_scaling": LLAMA3},
     "linear-rope": {"rope_scaling": {"rope_type": "linear", "factor": 2.0}},
-    "bias-odd-heads": {"attention_bias": True, "mlp_bias": True, "hidden_size": 72, "num_attention_heads": 6,
-                       "num_key_value_heads": 3},
+    "bias-odd-heads": {
+        "attention_bias": True,
+        "mlp_bias": True,
+        "hidden_size": 72,
+        "num_attention_heads": 6,
+        "num_key_value_heads": 3,
+    },
 }
 # fp32: both sides do the same math in a different order; bf16: rounding of 8-bit mantissas
 # through two layers, relative to logits of magnitude ~1.

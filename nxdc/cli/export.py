@@ -17,16 +17,26 @@ def export(
     config: Path = typer.Option(None, "--config", help="TOML preset (configs/*.toml); flags override it."),
     tp: int = typer.Option(None, "--tp", help="Tensor-parallel degree. [default: 1]"),
     batch_size: int = typer.Option(None, "--batch-size", help="Static batch size. [default: 1]"),
-    sequence_length: int = typer.Option(None, "--sequence-length", help="KV-cache length. [default: 1024]"),
+    sequence_length: int = typer.Option(
+        None,
+        "--sequence-length",
+        help="KV-cache length (prompt + new tokens). [default: min(1024, model max)]",
+    ),
     max_context_length: int = typer.Option(
         None, "--max-context-length", help="Largest prompt bucket. [default: sequence length]"
     ),
-    min_context_bucket: int = typer.Option(None, "--min-context-bucket", help="Smallest prompt bucket. [default: 128]"),
-    context_buckets: str = typer.Option(None, "--context-buckets", help="Explicit prompt buckets, e.g. 128,512."),
+    min_context_bucket: int = typer.Option(
+        None, "--min-context-bucket", help="Smallest prompt bucket. [default: 128]"
+    ),
+    context_buckets: str = typer.Option(
+        None, "--context-buckets", help="Explicit prompt buckets, e.g. 128,512."
+    ),
     dtype: str = typer.Option(None, "--dtype", help="fp32 | bf16. [default: fp32]"),
     backend: str = typer.Option(None, "--backend", help="inductor | neuron. [default: inductor]"),
     device: str = typer.Option(None, "--device", help="cpu | cuda[:N] (inductor backend). [default: cpu]"),
-    cache_dir: Path = typer.Option(None, "--cache-dir", envvar="NXDC_CACHE_DIR", help="Compile cache directory."),
+    cache_dir: Path = typer.Option(
+        None, "--cache-dir", envvar="NXDC_CACHE_DIR", help="Compile cache directory."
+    ),
     dry_run: bool = typer.Option(False, "--dry-run", help="Validate and print the plan; read no weights."),
     json_out: bool = typer.Option(False, "--json", help="Print a JSON summary on stdout."),
     quiet: bool = typer.Option(False, "-q", "--quiet", help="No progress output."),
@@ -44,17 +54,26 @@ def export(
     if not model:
         raise UserInputError("missing MODEL (a directory, .gguf file, Hub id or smollm2-135m)")
     flags = {
-        "tp": tp, "batch_size": batch_size, "sequence_length": sequence_length,
-        "max_context_length": max_context_length, "min_context_bucket": min_context_bucket,
+        "tp": tp,
+        "batch_size": batch_size,
+        "sequence_length": sequence_length,
+        "max_context_length": max_context_length,
+        "min_context_bucket": min_context_bucket,
         "context_buckets": _int_list(context_buckets) if context_buckets else None,
-        "dtype": dtype, "backend": backend, "device": device,
+        "dtype": dtype,
+        "backend": backend,
+        "device": device,
     }
     opts = ExportOptions(**{**preset, **{k: v for k, v in flags.items() if v is not None}})
     if dry_run:
         _, _, spec, plan = prepare(model, opts)
         summary = {
-            "model": model, "arch": spec.arch, "params": spec.param_count(), "plan": plan.to_dict(),
-            "weight_bytes": weight_bytes(spec, plan.dtype), "kv_cache_bytes": kv_cache_bytes(spec, plan),
+            "model": model,
+            "arch": spec.arch,
+            "params": spec.param_count(),
+            "plan": plan.to_dict(),
+            "weight_bytes": weight_bytes(spec, plan.dtype),
+            "kv_cache_bytes": kv_cache_bytes(spec, plan),
         }
         if json_out:
             print_json(summary)

@@ -52,8 +52,16 @@ def generate(
         sys.stdout.write(t)
         sys.stdout.flush()
 
-    res = run(session, tokenizer, prompts, max_new_tokens, sampling, list(stop or []), chat,
-              on_text=on_text if stream and not json_out else None)
+    res = run(
+        session,
+        tokenizer,
+        prompts,
+        max_new_tokens,
+        sampling,
+        list(stop or []),
+        chat,
+        on_text=on_text if stream and not json_out else None,
+    )
     if json_out:
         print_json(res.to_dict())
         return

@@ -7,6 +7,13 @@ import os
 # Transparent huge pages for the CPU allocator (fewer TLB misses on the weight stream);
 # must be set before torch allocates.
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import warnings  # noqa: E402
+
+# torch/transformers deprecation chatter is for their developers, not our users
+warnings.filterwarnings("ignore", category=FutureWarning)
+warnings.filterwarnings("ignore", category=DeprecationWarning)
 
 import typer  # noqa: E402
 

@@ -36,6 +36,8 @@ def input_specs(bucket: Bucket, batch: int) -> list[tuple[str, tuple[int, ...]]]
 
 
 def trace(model: Decoder, bucket: Bucket, batch: int, device: str) -> torch.export.ExportedProgram:
-    args = tuple(torch.zeros(shape, dtype=torch.int64, device=device) for _, shape in input_specs(bucket, batch))
+    args = tuple(
+        torch.zeros(shape, dtype=torch.int64, device=device) for _, shape in input_specs(bucket, batch)
+    )
     with torch.no_grad():
         return torch.export.export(graph_for(model, bucket), args, strict=False)

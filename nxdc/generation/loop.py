@@ -155,6 +155,10 @@ def generate(
     res.total_s = end - t0
     res.decode_steps = step
     for i in range(n):
-        text = texts[i] if (stops or (on_text and i == 0)) else tokenizer.decode(out[i], skip_special_tokens=True)
+        text = (
+            texts[i]
+            if (stops or (on_text and i == 0))
+            else tokenizer.decode(out[i], skip_special_tokens=True)
+        )
         res.sequences.append(SequenceResult(prompts[i], text, lengths[i], out[i], reasons[i] or "length"))
     return res

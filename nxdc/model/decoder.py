@@ -90,5 +90,5 @@ class TokenGeneration(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         slots = torch.arange(self.kv_len, device=input_ids.device)
-        mask = (slots.view(1, 1, 1, -1) <= positions.view(-1, 1, 1, 1))
+        mask = slots.view(1, 1, 1, -1) <= positions.view(-1, 1, 1, 1)
         return self.model(input_ids, positions.view(-1, 1), mask, self.kv_len, None)

@@ -61,16 +61,24 @@ class Session:
         for name, art in self.manifest["artifacts"].items():
             path = self.dir / art["path"]
             if not path.is_file():
-                raise ExportDirError(f"{self.dir}: compiled artifact {art['path']} is missing: re-run nxdc export")
+                raise ExportDirError(
+                    f"{self.dir}: compiled artifact {art['path']} is missing: re-run nxdc export"
+                )
             if verify and sha256_file(path) != art["sha256"]:
-                raise ExportDirError(f"{self.dir}: compiled artifact {art['path']} is corrupt (sha256 mismatch)")
-            self.graphs[name] = CompiledGraph(name, backend.load(path), self.constants, art["inputs"], self.device)
+                raise ExportDirError(
+                    f"{self.dir}: compiled artifact {art['path']} is corrupt (sha256 mismatch)"
+                )
+            self.graphs[name] = CompiledGraph(
+                name, backend.load(path), self.constants, art["inputs"], self.device
+            )
 
     def _constants(self) -> dict[str, torch.Tensor]:
         info = self.manifest["weights"]["rank0"]
         path = self.dir / "weights" / info["path"]
         if not path.is_file() or path.stat().st_size != info["bytes"]:
-            raise ExportDirError(f"{self.dir}: weights file {path.name} is missing or truncated: re-run nxdc export")
+            raise ExportDirError(
+                f"{self.dir}: weights file {path.name} is missing or truncated: re-run nxdc export"
+            )
         consts = {PREFIX + k: v for k, v in load_file(str(path), device=self.device).items()}
         if self.spec.tie_word_embeddings:
             consts[PREFIX + "lm_head.weight"] = consts[PREFIX + "embed_tokens.weight"]
@@ -81,7 +89,9 @@ class Session:
         dtype = TORCH_DTYPES[p.dtype]
         for i in range(s.num_layers):
             for kind in ("k_cache", "v_cache"):
-                consts[f"{PREFIX}layers.{i}.self_attn.{kind}"] = torch.zeros(shape, dtype=dtype, device=self.device)
+                consts[f"{PREFIX}layers.{i}.self_attn.{kind}"] = torch.zeros(
+                    shape, dtype=dtype, device=self.device
+                )
         return consts
 
     @property
@@ -112,6 +122,8 @@ class Session:
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """One token per sequence at its own cache position -> logits [batch, vocab]."""
         if int(positions.max()) >= self.max_seq:
-            raise UserInputError(f"position {int(positions.max())} is past the sequence length {self.max_seq}")
+            raise UserInputError(
+                f"position {int(positions.max())} is past the sequence length {self.max_seq}"
+            )
         decode = self.plan.decode[0]
         return self.graphs[decode.name](tokens.view(-1, 1), positions)

@@ -99,8 +99,15 @@ def hub_snapshot(repo_id: str) -> Path:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 
-    patterns = ["config.json", "*.safetensors", "*.safetensors.index.json", "tokenizer*", "*.model",
-                "generation_config.json", "special_tokens_map.json"]
+    patterns = [
+        "config.json",
+        "*.safetensors",
+        "*.safetensors.index.json",
+        "tokenizer*",
+        "*.model",
+        "generation_config.json",
+        "special_tokens_map.json",
+    ]
     try:
         return Path(snapshot_download(repo_id, allow_patterns=patterns, local_files_only=True))
     except HFValidationError as e:

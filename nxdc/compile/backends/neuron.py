@@ -11,7 +11,7 @@ from nxdc.errors import UnsupportedError
 
 REQUIRED = ("torch_neuronx", "neuronx_distributed", "libneuronxla")
 INSTALL = (
-    "install the AWS Neuron SDK on a Trainium/Inferentia instance: "
+    "install the AWS Neuron SDK from AWS's own package repository on a Trainium/Inferentia instance: "
     "pip install --extra-index-url https://pip.repos.neuron.amazonaws.com "
     "torch-neuronx neuronx-distributed libneuronxla (the PyPI packages of those names are placeholders)"
 )

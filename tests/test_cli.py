@@ -1,0 +1,227 @@
+"""Every bad input gets one clear line and a non-zero exit, never a traceback; the happy
+paths print what scripts need (--json)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from typer.testing import CliRunner
+
+from nxdc.cli.main import app
+
+runner = CliRunner()
+
+
+def run(*args):
+    res = runner.invoke(app, [str(a) for a in args])
+    return res.exit_code, res.stdout, res.stderr
+
+
+def assert_error(args, code, *needles):
+    exit_code, out, err = run(*args)
+    assert exit_code == code, (exit_code, out, err)
+    assert "Traceback" not in out + err
+    assert err.strip().startswith("error:"), err
+    for n in needles:
+        assert n in err, (n, err)
+
+
+def test_missing_model(tmp_path):
+    assert_error(["export", tmp_path / "nope", "-o", tmp_path / "o"], 2, "does not exist")
+
+
+def test_unknown_model_name(tmp_path):
+    assert_error(["export", "not-a-model", "-o", tmp_path / "o"], 2, "not found", "smollm2-135m")
+
+
+def test_unsupported_architecture(tmp_path):
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    assert_error(
+        ["export", tmp_path / "m", "-o", tmp_path / "o"], 2, "unsupported architecture 'gpt2'", "llama"
+    )
+
+
+def test_hub_id_offline_not_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    assert_error(
+        ["export", "nobody/no-such-model", "-o", tmp_path / "o"], 2, "not in the local Hugging Face cache"
+    )
+
+
+@pytest.mark.parametrize(
+    "flags, needle",
+    [
+        (["--dtype", "fp8"], "--dtype must be one of"),
+        (["--batch-size", "0"], "--batch-size must be a positive integer"),
+        (["--sequence-length", "100000"], "exceeds the model's max_position_embeddings"),
+        (["--sequence-length", "128", "--max-context-length", "256"], "exceeds --sequence-length"),
+        (["--context-buckets", "16,x"], "comma-separated integers"),
+        (["--tp", "2"], "tensor parallelism is not implemented yet"),
+        (["--backend", "neuron"], "from AWS's own package repository"),
+        (["--backend", "tpu"], "--backend must be one of"),
+        (["--device", "cuda"], "no CUDA device"),
+    ],
+)
+def test_bad_export_options(tiny_gqa, tmp_path, flags, needle):
+    assert_error(["export", tiny_gqa, "-o", tmp_path / "o", *flags], 2, needle)
+    assert not (tmp_path / "o").exists()
+
+
+def test_refuses_to_overwrite_foreign_directory(tiny_gqa, tmp_path):
+    (tmp_path / "o").mkdir()
+    (tmp_path / "o" / "precious.txt").write_text("keep me")
+    assert_error(["export", tiny_gqa, "-o", tmp_path / "o"], 2, "not an nxdc export")
+    assert (tmp_path / "o" / "precious.txt").read_text() == "keep me"
+
+
+def test_bad_config_file(tiny_gqa, tmp_path):
+    cfg = tmp_path / "x.toml"
+    cfg.write_text("[export]\nbatchsize = 2\n")
+    assert_error(["export", tiny_gqa, "-o", tmp_path / "o", "--config", cfg], 2, "unknown keys batchsize")
+
+
+def test_dry_run_reads_no_weights(tmp_path):
+    code, out, err = run("export", "smollm2-135m", "-o", tmp_path / "o", "--dry-run", "--json")
+    assert code == 0, err
+    plan = json.loads(out)
+    assert plan["arch"] == "llama"
+    assert [b["length"] for b in plan["plan"]["buckets"]] == [128, 256, 512, 1024, 1024]
+    assert plan["weight_bytes"] == plan["params"] * 4
+    assert not (tmp_path / "o").exists()
+
+
+def test_config_preset_values_and_flag_override(tmp_path):
+    code, out, err = run(
+        "export",
+        "--config",
+        "configs/smollm2-135m-cpu.toml",
+        "-o",
+        tmp_path / "o",
+        "--dry-run",
+        "--json",
+        "--batch-size",
+        "4",
+    )
+    assert code == 0, err
+    plan = json.loads(out)["plan"]
+    assert plan["batch_size"] == 4 and plan["sequence_length"] == 1024
+    assert [b["name"] for b in map(lambda b: {"name": f"{b['kind']}-{b['length']}"}, plan["buckets"])] == [
+        "context-128",
+        "context-256",
+        "context-512",
+        "context-1024",
+        "decode-1024",
+    ]
+    # a flag that conflicts with the preset's explicit buckets is refused, not silently adjusted
+    assert_error(
+        [
+            "export",
+            "--config",
+            "configs/smollm2-135m-cpu.toml",
+            "-o",
+            tmp_path / "o",
+            "--dry-run",
+            "--sequence-length",
+            "512",
+        ],
+        2,
+        "context bucket 1024 exceeds the max context length 512",
+    )
+
+
+@pytest.mark.slow
+class TestGenerate:
+    def test_not_an_export(self, tmp_path):
+        assert_error(["generate", tmp_path, "-p", "hi"], 2, "is not an nxdc export")
+
+    def test_prompt_too_long(self, tiny_gqa_export):
+        prompt = " ".join(f"w{i}" for i in range(40))
+        assert_error(
+            ["generate", tiny_gqa_export, "-p", prompt],
+            2,
+            "40 tokens",
+            "largest context bucket",
+            "32",
+            "--max-context-length",
+        )
+
+    def test_too_many_prompts(self, tiny_gqa_export):
+        assert_error(["generate", tiny_gqa_export, "-p", "w1", "-p", "w2", "-p", "w3"], 2, "batch size is 2")
+
+    def test_other_torch_version(self, tiny_gqa_export, tmp_path):
+        d = tmp_path / "e"
+        shutil.copytree(tiny_gqa_export, d)
+        m = json.loads((d / "nxdc.json").read_text())
+        m["torch_version"] = "1.0.0"
+        (d / "nxdc.json").write_text(json.dumps(m))
+        assert_error(["generate", d, "-p", "w1"], 2, "compiled with torch 1.0.0", "re-run nxdc export")
+
+    def test_missing_artifact(self, tiny_gqa_export, tmp_path):
+        d = tmp_path / "e"
+        shutil.copytree(tiny_gqa_export, d)
+        (d / "artifacts" / "decode-64.pt2").unlink()
+        assert_error(["generate", d, "-p", "w1"], 2, "decode-64.pt2 is missing")
+
+    def test_corrupt_artifact(self, tiny_gqa_export, tmp_path):
+        d = tmp_path / "e"
+        shutil.copytree(tiny_gqa_export, d)
+        with open(d / "artifacts" / "context-16.pt2", "r+b") as f:
+            f.write(b"junk")
+        assert_error(["generate", d, "-p", "w1"], 2, "corrupt")
+
+    @pytest.mark.parametrize(
+        "flags, needle",
+        [
+            (["--threads", "0"], "--threads must be a positive integer"),
+            (["--do-sample", "--temperature", "0"], "--temperature must be > 0"),
+            (["--top-p", "1.5"], "--top-p must be in"),
+            (["-n", "0"], "--max-new-tokens must be >= 1"),
+            (["--chat"], "no chat template"),
+        ],
+    )
+    def test_bad_generate_options(self, tiny_gqa_export, flags, needle):
+        assert_error(["generate", tiny_gqa_export, "-p", "w1 w2", *flags], 2, needle)
+
+    def test_json_output(self, tiny_gqa_export):
+        code, out, err = run("generate", tiny_gqa_export, "-p", "w1 w2 w3", "-p", "w4", "-n", "5", "--json")
+        assert code == 0, err
+        res = json.loads(out)
+        assert [r["prompt_tokens"] for r in res["results"]] == [3, 1]
+        assert all(len(r["token_ids"]) <= 5 for r in res["results"])
+        assert res["stats"]["new_tokens"] == sum(len(r["token_ids"]) for r in res["results"])
+        assert res["stats"]["decode_tokens_per_s"] > 0
+
+    def test_sampling_is_reproducible_with_seed(self, tiny_gqa_export):
+        args = [
+            "generate",
+            tiny_gqa_export,
+            "-p",
+            "w1 w2",
+            "-n",
+            "12",
+            "--do-sample",
+            "--temperature",
+            "1.5",
+            "--top-k",
+            "50",
+            "--top-p",
+            "0.95",
+            "--json",
+        ]
+        runs = [json.loads(run(*args, "--seed", s)[1])["results"][0]["token_ids"] for s in ("7", "7", "8")]
+        assert runs[0] == runs[1]
+        assert runs[0] != runs[2]
+
+    def test_stop_string_and_stream(self, tiny_gqa_export):
+        code, out, _ = run("generate", tiny_gqa_export, "-p", "w1 w2", "-n", "12", "--json")
+        full = json.loads(out)["results"][0]["text"]
+        stop = full.split()[3]
+        code, out, err = run(
+            "generate", tiny_gqa_export, "-p", "w1 w2", "-n", "12", "--stop", stop, "--stream"
+        )
+        assert code == 0, err
+        assert out.strip() == full[: full.index(stop)].strip()

@@ -1,0 +1,122 @@
+"""Fast unit tests: buckets, plan validation, spec mapping, sampling filters, cache store."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from nxdc.cache.store import CompileCache, verify_entry
+from nxdc.compile.buckets import Bucket, context_buckets, pick_context_bucket
+from nxdc.errors import UnsupportedError, UserInputError
+from nxdc.generation.sampling import SamplingParams, filter_logits
+from nxdc.generation.stopping import find_stop
+from nxdc.spec import rope_from_config, spec_from_config
+
+
+def test_context_buckets_powers_of_two():
+    assert context_buckets(1024, 128, None) == [128, 256, 512, 1024]
+    assert context_buckets(1000, 128, None) == [128, 256, 512, 1000]
+    assert context_buckets(64, 128, None) == [64]
+    assert context_buckets(512, 100, (512, 32)) == [32, 512]
+    with pytest.raises(UserInputError):
+        context_buckets(64, 16, (128,))
+
+
+def test_pick_context_bucket():
+    bs = [Bucket("context", n) for n in (16, 64)]
+    assert pick_context_bucket(bs, 1).length == 16
+    assert pick_context_bucket(bs, 17).length == 64
+    with pytest.raises(UserInputError, match="65 tokens.*largest context bucket of this export is 64"):
+        pick_context_bucket(bs, 65)
+
+
+def test_rope_config_spellings():
+    old = {
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    }
+    new = {
+        "rope_parameters": {
+            "rope_theta": 500000.0,
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        }
+    }
+    assert rope_from_config(old) == rope_from_config(new)
+    assert rope_from_config(old).kind == "llama3"
+    with pytest.raises(UnsupportedError, match="yarn"):
+        rope_from_config({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+
+
+def test_llama3_inv_freq_matches_transformers():
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from nxdc.model.layers import inv_freq
+
+    cfg = LlamaConfig(
+        hidden_size=256,
+        num_attention_heads=4,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+            "rope_theta": 500000.0,
+        },
+    )
+    want, _ = ROPE_INIT_FUNCTIONS["llama3"](cfg, "cpu")
+    got = inv_freq(spec_from_config(cfg.to_dict()).rope, 64)
+    torch.testing.assert_close(got, want)
+
+
+def test_spec_requires_model_type():
+    with pytest.raises(UserInputError, match="model_type"):
+        spec_from_config({})
+
+
+def test_top_k_and_top_p_filters():
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]])
+    k2 = filter_logits(logits, SamplingParams(do_sample=True, top_k=2))
+    assert torch.isfinite(k2).tolist() == [[True, True, False, False, False]]
+    probs = logits.softmax(-1)[0]  # 0.636, 0.234, 0.086, ...
+    p = filter_logits(logits, SamplingParams(do_sample=True, top_p=float(probs[0] + probs[1]) - 1e-3))
+    assert torch.isfinite(p).tolist() == [[True, True, False, False, False]]
+    p1 = filter_logits(logits, SamplingParams(do_sample=True, top_p=0.01))
+    assert torch.isfinite(p1).tolist() == [[True, False, False, False, False]]
+
+
+def test_find_stop():
+    assert find_stop("hello world", ["wor"]) == 6
+    assert find_stop("hello world", ["zzz", "o"]) == 4
+    assert find_stop("hello world", []) is None
+
+
+def test_cache_put_get_and_corruption(tmp_path):
+    cache = CompileCache(tmp_path / "c")
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "model.pt2").write_bytes(b"x" * 100)
+    parts = {"bucket": "decode-8", "torch": "2.13.0", "flags": {"a": 1}}
+    entry = cache.put("ns", "k1", parts, src)
+    assert verify_entry(entry) is None
+    assert cache.get("ns", "k1", parts).path == entry
+    miss = cache.get("ns", "k2", {**parts, "torch": "2.14.0", "flags": {"a": 2}})
+    assert miss.path is None and miss.reason == "differs in flags.a, torch"
+    (entry / "model.pt2").write_bytes(b"y" * 100)
+    look = cache.get("ns", "k1", parts)
+    assert look.path is None and "sha256 mismatch" in look.reason
+    assert not entry.exists()
+    assert json.loads(json.dumps(list(cache.entries()))) == []
