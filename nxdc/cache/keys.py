@@ -19,14 +19,17 @@ def digest(obj: Any) -> str:
 
 @cache
 def model_code_digest() -> str:
-    """Hash of the sources that define the traced graphs: a change to the model code or
-    the tracing code invalidates every cached artifact."""
+    """Hash of the sources that define the traced graphs (model code, tracing, the inductor
+    backend): changing them invalidates every cached artifact; other code does not."""
     root = Path(__file__).resolve().parent.parent
+    files = sorted((root / "model").rglob("*.py")) + [
+        root / "compile" / "trace.py",
+        root / "compile" / "backends" / "inductor.py",
+    ]
     h = hashlib.sha256()
-    for sub in ("model", "compile"):
-        for f in sorted((root / sub).rglob("*.py")):
-            h.update(f.relative_to(root).as_posix().encode())
-            h.update(f.read_bytes())
+    for f in files:
+        h.update(f.relative_to(root).as_posix().encode())
+        h.update(f.read_bytes())
     return h.hexdigest()[:16]
 
 
