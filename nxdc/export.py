@@ -22,8 +22,9 @@ from nxdc.cache.keys import digest, model_code_digest, sha256_file
 from nxdc.cache.store import CompileCache
 from nxdc.compile.backends import get_backend
 from nxdc.compile.buckets import Bucket
-from nxdc.compile.trace import TORCH_DTYPES, build_decoder, input_specs, trace
+from nxdc.compile.trace import TORCH_DTYPES, build_decoder, input_specs, trace, wants_kernels
 from nxdc.errors import UserInputError
+from nxdc.kernels import kernel_digest
 from nxdc.manifest import FORMAT, MANIFEST
 from nxdc.plan import ExportOptions, ExportPlan, make_plan
 from nxdc.progress import NullReporter, Reporter
@@ -103,8 +104,11 @@ def _meta_decoder(spec: ModelSpec, plan: ExportPlan):
         return Decoder(spec, plan.batch_size, plan.sequence_length, TORCH_DTYPES[plan.dtype])
 
 
-def key_parts(spec: ModelSpec, plan: ExportPlan, bucket: Bucket, backend, rank: int = 0) -> dict[str, Any]:
+def key_parts(
+    spec: ModelSpec, plan: ExportPlan, bucket: Bucket, backend, kernels: str | None, rank: int = 0
+) -> dict[str, Any]:
     return {
+        "kernels": kernels,
         "model": spec.to_dict(),
         "bucket": bucket.name,
         "batch_size": plan.batch_size,
@@ -128,12 +132,13 @@ def compile_bucket(
     spec: ModelSpec,
     plan: ExportPlan,
     bucket: Bucket,
+    kernels: str | None,
     decoder_factory,
     dest: Path,
 ) -> BucketResult:
     """Cache hit: copy the artifact. Miss: trace + compile under a per-key lock, then cache it."""
     t0 = time.perf_counter()
-    parts = key_parts(spec, plan, bucket, backend)
+    parts = key_parts(spec, plan, bucket, backend, kernels)
     key, ns = digest(parts), namespace(backend)
     found = cache.get(ns, key, parts)
     hit = found.path is not None
@@ -178,12 +183,14 @@ def run_export(
         (tmp / "artifacts").mkdir()
         with rep.stage("weights"):
             weights = write_weights(src, spec, plan, tmp / "weights" / "rank0.safetensors")
+        with rep.stage("kernels"):
+            kernels = kernel_digest() if wants_kernels(plan) else None
         decoder = None
 
         def factory():
             nonlocal decoder
             if decoder is None:
-                decoder = build_decoder(spec, plan)
+                decoder = build_decoder(spec, plan, kernels is not None)
             return decoder
 
         artifacts = {}
@@ -191,7 +198,7 @@ def run_export(
             for bucket in plan.buckets:
                 rep.bucket_start(bucket.name)
                 dest = tmp / "artifacts" / f"{bucket.name}.pt2"
-                br = compile_bucket(cache, backend, spec, plan, bucket, factory, dest)
+                br = compile_bucket(cache, backend, spec, plan, bucket, kernels, factory, dest)
                 rep.bucket_done(br.name, br.hit, br.reason, br.seconds)
                 result.buckets.append(br)
                 artifacts[bucket.name] = {
@@ -214,6 +221,7 @@ def run_export(
                 "spec": spec.to_dict(),
                 "plan": plan.to_dict(),
                 "weights": {"rank0": weights},
+                "kernels": kernels,
                 "artifacts": artifacts,
                 "created": time.time(),
             }

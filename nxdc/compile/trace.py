@@ -9,16 +9,26 @@ import torch
 
 from nxdc.compile.buckets import Bucket
 from nxdc.model.decoder import ContextEncoding, Decoder, TokenGeneration
+from nxdc.model.layers import use_skinny_kernels
 from nxdc.plan import ExportPlan
 from nxdc.spec import ModelSpec
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def build_decoder(spec: ModelSpec, plan: ExportPlan, device: str | None = None) -> Decoder:
+def build_decoder(spec: ModelSpec, plan: ExportPlan, kernels: bool = False) -> Decoder:
     with torch.device("meta"):
         model = Decoder(spec, plan.batch_size, plan.sequence_length, TORCH_DTYPES[plan.dtype])
-    return model.to_empty(device=device or plan.device).eval()
+    model = model.to_empty(device=plan.device).eval()
+    use_skinny_kernels(model, kernels)
+    return model
+
+
+def wants_kernels(plan: ExportPlan) -> bool:
+    """nxdc's CPU decode kernels apply to fp32 on CPU, where they can be built."""
+    from nxdc.kernels import ensure_loaded
+
+    return plan.device == "cpu" and plan.dtype == "fp32" and ensure_loaded()
 
 
 def graph_for(model: Decoder, bucket: Bucket) -> torch.nn.Module:

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nxdc.model.layers import apply_rope
+from nxdc.model.layers import Linear, apply_rope
 from nxdc.spec import ModelSpec
 
 
@@ -23,14 +23,13 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.max_seq = max_seq
         h, d, b = spec.hidden_size, spec.head_dim, spec.attention_bias
-        kw = dict(dtype=dtype, device=device)
-        self.q_proj = nn.Linear(h, self.n_heads * d, bias=b, **kw)
-        self.k_proj = nn.Linear(h, self.n_kv * d, bias=b, **kw)
-        self.v_proj = nn.Linear(h, self.n_kv * d, bias=b, **kw)
-        self.o_proj = nn.Linear(self.n_heads * d, h, bias=b, **kw)
+        self.q_proj = Linear(h, self.n_heads * d, b, dtype, device)
+        self.k_proj = Linear(h, self.n_kv * d, b, dtype, device)
+        self.v_proj = Linear(h, self.n_kv * d, b, dtype, device)
+        self.o_proj = Linear(self.n_heads * d, h, b, dtype, device)
         shape = (batch, self.n_kv, max_seq, d)
-        self.register_buffer("k_cache", torch.zeros(shape, **kw), persistent=True)
-        self.register_buffer("v_cache", torch.zeros(shape, **kw), persistent=True)
+        self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=True)
+        self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=True)
 
     def _write(self, cache: torch.Tensor, new: torch.Tensor, positions: torch.Tensor) -> None:
         bsz, n_kv, t, d = new.shape

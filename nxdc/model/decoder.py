@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from nxdc.model.attention import Attention
-from nxdc.model.layers import MLP, RMSNorm, rope_tables
+from nxdc.model.layers import MLP, Linear, RMSNorm, rope_tables
 from nxdc.spec import ModelSpec
 
 
@@ -37,7 +37,7 @@ class Decoder(nn.Module):
             DecoderLayer(spec, batch, max_seq, dtype, device) for _ in range(spec.num_layers)
         )
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
-        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False, dtype=dtype, device=device)
+        self.lm_head = Linear(spec.hidden_size, spec.vocab_size, False, dtype, device)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         cos, sin = rope_tables(spec, max_seq)

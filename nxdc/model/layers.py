@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nxdc.kernels import MAX_ROWS
 from nxdc.spec import ModelSpec, RopeSpec
 
 
@@ -25,16 +26,43 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(dtype)
 
 
+class Linear(nn.Module):
+    """``nn.Linear``'s parameters (``weight [out, in]``, optional ``bias``) with a choice of
+    kernel: when ``skinny`` is set (fp32 on CPU, decided at export) and the input has at most
+    ``MAX_ROWS`` rows — a decode step — it calls nxdc's memory-bound matvec kernel."""
+
+    skinny = False  # set per instance by the exporter / runtime builder
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype, device=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device))
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        k = x.shape[-1]
+        rows = x.numel() // k
+        if self.skinny and rows <= MAX_ROWS and x.dtype == torch.float32 and k % 8 == 0:
+            y = torch.ops.nxdc.skinny_linear(x.reshape(rows, k), self.weight)
+            y = y.view(*x.shape[:-1], self.weight.shape[0])
+            return y + self.bias if self.bias is not None else y
+        return F.linear(x, self.weight, self.bias)
+
+
+def use_skinny_kernels(model: nn.Module, enabled: bool = True) -> None:
+    for m in model.modules():
+        if isinstance(m, Linear):
+            m.skinny = enabled
+
+
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
 
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, device=None):
         super().__init__()
         h, i, b = spec.hidden_size, spec.intermediate_size, spec.mlp_bias
-        kw = dict(bias=b, dtype=dtype, device=device)
-        self.gate_proj = nn.Linear(h, i, **kw)
-        self.up_proj = nn.Linear(h, i, **kw)
-        self.down_proj = nn.Linear(i, h, **kw)
+        self.gate_proj = Linear(h, i, b, dtype, device)
+        self.up_proj = Linear(h, i, b, dtype, device)
+        self.down_proj = Linear(i, h, b, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

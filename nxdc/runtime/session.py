@@ -56,6 +56,14 @@ class Session:
         self.threads = apply_threads(threads)
         self.device = self.plan.device
         backend = get_backend(self.plan.backend, self.device)
+        if self.manifest.get("kernels"):
+            from nxdc.kernels import ensure_loaded
+
+            if not ensure_loaded():  # graphs call nxdc::skinny_linear: the library must be loaded
+                raise ExportDirError(
+                    f"{self.dir} uses nxdc's CPU kernels, which cannot be built or run on this machine "
+                    f"(needs AVX2/FMA and a C++ compiler): re-export here with NXDC_DISABLE_KERNELS=1"
+                )
         self.constants = self._constants()
         self.graphs: dict[str, CompiledGraph] = {}
         for name, art in self.manifest["artifacts"].items():
