@@ -120,3 +120,32 @@ def test_cache_put_get_and_corruption(tmp_path):
     assert look.path is None and "sha256 mismatch" in look.reason
     assert not entry.exists()
     assert json.loads(json.dumps(list(cache.entries()))) == []
+
+
+def test_sharded_safetensors_checkpoint_reads_like_single_file(tmp_path):
+    from tiny import make_tiny_llama
+    from transformers import AutoModelForCausalLM
+
+    from nxdc.weights.sources import resolve
+
+    single = make_tiny_llama(tmp_path / "single")
+    model = AutoModelForCausalLM.from_pretrained(single)
+    model.save_pretrained(tmp_path / "sharded", max_shard_size="100KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    a = dict(resolve(str(single)).tensors(None))
+    b = dict(resolve(str(tmp_path / "sharded")).tensors(None))
+    assert a.keys() == b.keys() and len(a) > 10
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_missing_shard_is_a_clear_error(tmp_path):
+    from tiny import make_tiny_llama
+    from transformers import AutoModelForCausalLM
+
+    from nxdc.weights.safetensors_source import safetensors_files
+
+    model = AutoModelForCausalLM.from_pretrained(make_tiny_llama(tmp_path / "single"))
+    model.save_pretrained(tmp_path / "sharded", max_shard_size="100KB")
+    next((tmp_path / "sharded").glob("model-0000*.safetensors")).unlink()
+    with pytest.raises(UserInputError, match="missing"):
+        safetensors_files(tmp_path / "sharded")

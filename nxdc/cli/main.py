@@ -41,5 +41,13 @@ def version() -> None:
     typer.echo(f"nxdc {nxdc.__version__} (torch {torch.__version__})")
 
 
+def _terminate(signum, frame):
+    # `kill` (SIGTERM) unwinds like Ctrl-C, so temp dirs are removed and nothing half-written stays
+    raise KeyboardInterrupt
+
+
 def main() -> None:
+    import signal
+
+    signal.signal(signal.SIGTERM, _terminate)
     app()
