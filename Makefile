@@ -31,7 +31,7 @@ lint: install
 	$(BIN)/ruff format --check nxdc tests bench
 
 bench: install
-	$(BIN)/python bench/decode.py
+	bash bench/run.sh
 
 clean:
 	rm -rf exports .pytest_cache

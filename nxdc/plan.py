@@ -28,6 +28,8 @@ class ExportOptions:
     max_context_length: int | None = None  # largest prefill bucket; default sequence_length
     min_context_bucket: int = 128
     context_buckets: tuple[int, ...] | None = None  # explicit list overrides powers of two
+    min_decode_bucket: int = 256  # decode graphs attend to 256, 512, ... cache slots (up to S)
+    decode_buckets: tuple[int, ...] | None = None
     dtype: str = "fp32"
     backend: str = "inductor"
     device: str = "cpu"
@@ -82,8 +84,9 @@ def load_preset(path: str | os.PathLike) -> dict[str, Any]:
             f"config file {path}: unknown keys {', '.join(sorted(unknown))} "
             f"(known: {', '.join(sorted(ExportOptions.fields()))})"
         )
-    if "context_buckets" in out:
-        out["context_buckets"] = tuple(out["context_buckets"])
+    for key in ("context_buckets", "decode_buckets"):
+        if key in out:
+            out[key] = tuple(out[key])
     if "model" in data:
         out["model"] = data["model"]
     return out
@@ -102,7 +105,7 @@ def make_plan(spec: ModelSpec, opts: ExportOptions) -> ExportPlan:
         opts = dataclasses.replace(
             opts, sequence_length=min(DEFAULT_SEQUENCE_LENGTH, spec.max_position_embeddings)
         )
-    for name in ("tp", "batch_size", "sequence_length", "min_context_bucket"):
+    for name in ("tp", "batch_size", "sequence_length", "min_context_bucket", "min_decode_bucket"):
         _positive(name, getattr(opts, name))
     if opts.dtype not in DTYPES:
         raise UserInputError(f"--dtype must be one of {', '.join(DTYPES)} (got {opts.dtype!r})")
@@ -134,7 +137,12 @@ def make_plan(spec: ModelSpec, opts: ExportOptions) -> ExportPlan:
     ctx = context_buckets(max_ctx, opts.min_context_bucket, opts.context_buckets)
     if max(ctx) > opts.sequence_length:
         raise UserInputError(f"context bucket {max(ctx)} exceeds --sequence-length {opts.sequence_length}")
-    buckets = [Bucket("context", n) for n in ctx] + [Bucket("decode", opts.sequence_length)]
+    dec = context_buckets(opts.sequence_length, opts.min_decode_bucket, opts.decode_buckets, kind="decode")
+    if dec[-1] != opts.sequence_length:
+        raise UserInputError(
+            f"the largest decode bucket must equal --sequence-length {opts.sequence_length} (got {dec[-1]})"
+        )
+    buckets = [Bucket("context", n) for n in ctx] + [Bucket("decode", n) for n in dec]
     return ExportPlan(
         tp=opts.tp,
         batch_size=opts.batch_size,

@@ -15,7 +15,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"  # tests never download
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 warnings.filterwarnings("ignore", category=FutureWarning)
 
-from tiny import make_tiny_llama  # noqa: E402
+from tiny import GQA_EXPORT, make_tiny_llama  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -45,7 +45,7 @@ def tiny_gqa_export(tiny_gqa, cache_dir, tmp_path_factory) -> Path:
     from nxdc.plan import ExportOptions
 
     out = tmp_path_factory.mktemp("exports") / "tiny-gqa"
-    opts = ExportOptions(batch_size=2, sequence_length=64, context_buckets=(16, 32))
+    opts = ExportOptions(**GQA_EXPORT)
     run_export(str(tiny_gqa), out, opts)
     return out
 

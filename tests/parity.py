@@ -39,3 +39,17 @@ def max_error(ref: torch.Tensor, ours: list[torch.Tensor], prompt_lens: list[int
         assert rows.shape == want.shape, (rows.shape, want.shape)
         worst = max(worst, (rows - want).abs().max().item())
     return worst
+
+
+def hf_greedy(hf_model, ids: torch.Tensor, new_tokens: int, pad_token_id: int) -> list[int]:
+    """transformers greedy continuation (EOS ignored). The attention mask is explicit: with
+    SmolLM2's chat template the pad id (<|im_end|>) occurs in prompts and would be masked."""
+    out = hf_model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=new_tokens,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=pad_token_id,
+    )
+    return out[0, ids.shape[1] :].tolist()

@@ -89,45 +89,32 @@ def test_dry_run_reads_no_weights(tmp_path):
     assert code == 0, err
     plan = json.loads(out)
     assert plan["arch"] == "llama"
-    assert [b["length"] for b in plan["plan"]["buckets"]] == [128, 256, 512, 1024, 1024]
+    assert [b["length"] for b in plan["plan"]["buckets"]] == [128, 256, 512, 1024, 256, 512, 1024]
     assert plan["weight_bytes"] == plan["params"] * 4
     assert not (tmp_path / "o").exists()
 
 
+PRESET = ["export", "--config", "configs/smollm2-135m-cpu.toml", "--dry-run"]
+
+
 def test_config_preset_values_and_flag_override(tmp_path):
-    code, out, err = run(
-        "export",
-        "--config",
-        "configs/smollm2-135m-cpu.toml",
-        "-o",
-        tmp_path / "o",
-        "--dry-run",
-        "--json",
-        "--batch-size",
-        "4",
-    )
+    code, out, err = run(*PRESET, "-o", tmp_path / "o", "--json", "--batch-size", "4")
     assert code == 0, err
     plan = json.loads(out)["plan"]
     assert plan["batch_size"] == 4 and plan["sequence_length"] == 1024
-    assert [b["name"] for b in map(lambda b: {"name": f"{b['kind']}-{b['length']}"}, plan["buckets"])] == [
+    names = [f"{b['kind']}-{b['length']}" for b in plan["buckets"]]
+    assert names == [
         "context-128",
         "context-256",
         "context-512",
         "context-1024",
+        "decode-256",
+        "decode-512",
         "decode-1024",
     ]
     # a flag that conflicts with the preset's explicit buckets is refused, not silently adjusted
     assert_error(
-        [
-            "export",
-            "--config",
-            "configs/smollm2-135m-cpu.toml",
-            "-o",
-            tmp_path / "o",
-            "--dry-run",
-            "--sequence-length",
-            "512",
-        ],
+        [*PRESET, "-o", tmp_path / "o", "--sequence-length", "512"],
         2,
         "context bucket 1024 exceeds the max context length 512",
     )
@@ -152,23 +139,26 @@ class TestGenerate:
     def test_too_many_prompts(self, tiny_gqa_export):
         assert_error(["generate", tiny_gqa_export, "-p", "w1", "-p", "w2", "-p", "w3"], 2, "batch size is 2")
 
-    def test_other_torch_version(self, tiny_gqa_export, tmp_path):
+    @pytest.fixture
+    def copied(self, tiny_gqa_export, tmp_path):
         d = tmp_path / "e"
         shutil.copytree(tiny_gqa_export, d)
+        return d
+
+    def test_other_torch_version(self, copied):
+        d = copied
         m = json.loads((d / "nxdc.json").read_text())
         m["torch_version"] = "1.0.0"
         (d / "nxdc.json").write_text(json.dumps(m))
         assert_error(["generate", d, "-p", "w1"], 2, "compiled with torch 1.0.0", "re-run nxdc export")
 
-    def test_missing_artifact(self, tiny_gqa_export, tmp_path):
-        d = tmp_path / "e"
-        shutil.copytree(tiny_gqa_export, d)
+    def test_missing_artifact(self, copied):
+        d = copied
         (d / "artifacts" / "decode-64.pt2").unlink()
         assert_error(["generate", d, "-p", "w1"], 2, "decode-64.pt2 is missing")
 
-    def test_corrupt_artifact(self, tiny_gqa_export, tmp_path):
-        d = tmp_path / "e"
-        shutil.copytree(tiny_gqa_export, d)
+    def test_corrupt_artifact(self, copied):
+        d = copied
         with open(d / "artifacts" / "context-16.pt2", "r+b") as f:
             f.write(b"junk")
         assert_error(["generate", d, "-p", "w1"], 2, "corrupt")

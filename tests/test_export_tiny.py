@@ -9,7 +9,8 @@ import shutil
 
 import pytest
 import torch
-from parity import max_error, nxdc_logits, reference_logits
+from parity import hf_greedy, max_error, nxdc_logits, reference_logits
+from tiny import GQA_EXPORT
 
 from nxdc.cache.store import CompileCache
 from nxdc.export import run_export
@@ -29,7 +30,7 @@ def test_compiled_logits_match_transformers_fp32_gqa(tiny_gqa, tiny_gqa_export):
     sess = Session(tiny_gqa_export)
     torch.manual_seed(3)
     ids = torch.randint(3, 256, (2, 40))
-    lens = [30, 7]  # the two rows use different context buckets' worth of tokens; 30 -> bucket 32
+    lens = [30, 7]  # prefill in bucket 32; decode crosses from the 32-slot to the 64-slot graph
     ref = reference_logits(hf_model(tiny_gqa), ids)
     err = max_error(ref, nxdc_logits(sess.prefill, sess.decode, ids, lens), lens)
     assert err < 2e-5, err
@@ -56,15 +57,7 @@ def test_greedy_generation_matches_transformers(tiny_gqa, tiny_gqa_export):
     model = hf_model(tiny_gqa)
     for prompt, seq in zip(prompts, res.sequences, strict=True):
         ids = tok(prompt, return_tensors="pt").input_ids
-        want = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=20,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-        assert seq.token_ids == want[0, ids.shape[1] :].tolist()
+        assert seq.token_ids == hf_greedy(model, ids, 20, pad_token_id=0)
 
 
 def test_second_export_is_full_cache_hit(tiny_gqa, tiny_gqa_export, tmp_path, monkeypatch):
@@ -74,16 +67,16 @@ def test_second_export_is_full_cache_hit(tiny_gqa, tiny_gqa_export, tmp_path, mo
         raise AssertionError("compile called on a warm cache")
 
     monkeypatch.setattr(InductorBackend, "compile", no_compile)
-    opts = ExportOptions(batch_size=2, sequence_length=64, context_buckets=(16, 32))
+    opts = ExportOptions(**GQA_EXPORT)
     res = run_export(str(tiny_gqa), tmp_path / "again", opts)
-    assert [b.hit for b in res.buckets] == [True, True, True]
+    assert [b.hit for b in res.buckets] == [True, True, True, True]
     a = json.loads((tiny_gqa_export / "nxdc.json").read_text())["artifacts"]
     b = json.loads((tmp_path / "again" / "nxdc.json").read_text())["artifacts"]
     assert {k: v["sha256"] for k, v in a.items()} == {k: v["sha256"] for k, v in b.items()}
 
 
 def test_corrupt_entry_is_rebuilt(tiny_gqa, tiny_gqa_export, tmp_path, cache_dir):
-    opts = ExportOptions(batch_size=2, sequence_length=64, context_buckets=(16, 32))
+    opts = ExportOptions(**GQA_EXPORT)
     manifest = json.loads((tiny_gqa_export / "nxdc.json").read_text())
     key = manifest["artifacts"]["decode-64"]["key"]
     entry = next(CompileCache(cache_dir).compile_dir.glob(f"*/{key}"))
@@ -100,7 +93,7 @@ def test_corrupt_entry_is_rebuilt(tiny_gqa, tiny_gqa_export, tmp_path, cache_dir
     a, b = Session(tiny_gqa_export), Session(tmp_path / "rebuilt")
     for s in (a, b):
         s.prefill([ids[0, :8].tolist(), ids[1, :5].tolist()])
-    pos = torch.tensor([8, 5])
+    pos = torch.tensor([40, 35])  # positions >= 32: the decode-64 graph
     assert torch.equal(a.decode(ids[:, 8], pos), b.decode(ids[:, 8], pos))
 
 
@@ -133,8 +126,6 @@ def test_reexport_replaces_only_when_complete(tiny_gqa, tiny_gqa_export, tmp_pat
 
     monkeypatch.setattr(ex, "write_weights", boom)
     with pytest.raises(RuntimeError):
-        run_export(
-            str(tiny_gqa), out, ExportOptions(batch_size=2, sequence_length=64, context_buckets=(16, 32))
-        )
+        run_export(str(tiny_gqa), out, ExportOptions(**GQA_EXPORT))
     assert (out / "nxdc.json").is_file()
     Session(out)  # still loads

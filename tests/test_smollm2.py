@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from parity import max_error, nxdc_logits, reference_logits
+from parity import hf_greedy, max_error, nxdc_logits, reference_logits
 
 from nxdc.generation.loop import encode_prompts, generate
 from nxdc.runtime.session import Session
@@ -53,13 +53,4 @@ def test_greedy_32_tokens_match_transformers(smollm2_export, smollm2_reference, 
     res = generate(Session(smollm2_export), tok, [prompt], max_new_tokens=32, chat=True, eos_ids=set())
     ids = torch.tensor([encode_prompts(ref_tok, [prompt], chat=True)[0]])
     assert ids[0].tolist() == encode_prompts(tok, [prompt], chat=True)[0]  # same tokenizer after export
-    # explicit mask: the chat template's <|im_end|> is also the pad id, which generate would mask
-    want = model.generate(
-        ids,
-        attention_mask=torch.ones_like(ids),
-        max_new_tokens=32,
-        do_sample=False,
-        eos_token_id=None,
-        pad_token_id=2,
-    )
-    assert res.sequences[0].token_ids == want[0, ids.shape[1] :].tolist()
+    assert res.sequences[0].token_ids == hf_greedy(model, ids, 32, pad_token_id=2)

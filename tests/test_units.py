@@ -32,6 +32,18 @@ def test_pick_context_bucket():
         pick_context_bucket(bs, 65)
 
 
+def test_pick_decode_bucket():
+    from nxdc.compile.buckets import pick_decode_bucket
+
+    bs = [Bucket("decode", n) for n in (256, 512, 1024)]
+    assert pick_decode_bucket(bs, 0).length == 256
+    assert pick_decode_bucket(bs, 255).length == 256
+    assert pick_decode_bucket(bs, 256).length == 512
+    assert pick_decode_bucket(bs, 1023).length == 1024
+    with pytest.raises(UserInputError, match="past the sequence length 1024"):
+        pick_decode_bucket(bs, 1024)
+
+
 def test_rope_config_spellings():
     old = {
         "rope_theta": 500000.0,

@@ -8,6 +8,9 @@ import torch
 
 WORDS = [f"w{i}" for i in range(253)]
 
+# The shared tiny GQA export: two prefill buckets and two decode buckets, batch 2.
+GQA_EXPORT = dict(batch_size=2, sequence_length=64, context_buckets=(16, 32), decode_buckets=(32, 64))
+
 
 def tiny_tokenizer():
     from tokenizers import Tokenizer, models, pre_tokenizers

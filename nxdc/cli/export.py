@@ -31,6 +31,12 @@ def export(
     context_buckets: str = typer.Option(
         None, "--context-buckets", help="Explicit prompt buckets, e.g. 128,512."
     ),
+    min_decode_bucket: int = typer.Option(
+        None, "--min-decode-bucket", help="Smallest decode cache length. [default: 256]"
+    ),
+    decode_buckets: str = typer.Option(
+        None, "--decode-buckets", help="Explicit decode cache lengths, e.g. 512,1024."
+    ),
     dtype: str = typer.Option(None, "--dtype", help="fp32 | bf16. [default: fp32]"),
     backend: str = typer.Option(None, "--backend", help="inductor | neuron. [default: inductor]"),
     device: str = typer.Option(None, "--device", help="cpu | cuda[:N] (inductor backend). [default: cpu]"),
@@ -59,7 +65,9 @@ def export(
         "sequence_length": sequence_length,
         "max_context_length": max_context_length,
         "min_context_bucket": min_context_bucket,
-        "context_buckets": _int_list(context_buckets) if context_buckets else None,
+        "context_buckets": _int_list(context_buckets, "--context-buckets") if context_buckets else None,
+        "min_decode_bucket": min_decode_bucket,
+        "decode_buckets": _int_list(decode_buckets, "--decode-buckets") if decode_buckets else None,
         "dtype": dtype,
         "backend": backend,
         "device": device,
@@ -97,8 +105,8 @@ def export(
         )
 
 
-def _int_list(s: str) -> tuple[int, ...]:
+def _int_list(s: str, flag: str) -> tuple[int, ...]:
     try:
         return tuple(int(x) for x in s.split(",") if x.strip())
     except ValueError:
-        raise UserInputError(f"--context-buckets must be comma-separated integers (got {s!r})") from None
+        raise UserInputError(f"{flag} must be comma-separated integers (got {s!r})") from None

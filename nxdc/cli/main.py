@@ -17,6 +17,7 @@ warnings.filterwarnings("ignore", category=DeprecationWarning)
 
 import typer  # noqa: E402
 
+from nxdc.cli.bench import bench  # noqa: E402
 from nxdc.cli.export import export  # noqa: E402
 from nxdc.cli.generate import generate  # noqa: E402
 
@@ -29,6 +30,7 @@ app = typer.Typer(
 )
 app.command("export")(export)
 app.command("generate")(generate)
+app.command("bench")(bench)
 
 
 @app.command("version")

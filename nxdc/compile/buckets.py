@@ -9,7 +9,7 @@ from nxdc.errors import UserInputError
 
 @dataclass(frozen=True)
 class Bucket:
-    kind: str  # "context" (prefill of up to `length` prompt tokens) | "decode" (attends `length` slots)
+    kind: str  # "context" (prefill of up to `length` prompt tokens) | "decode" (attends `length` cache slots)
     length: int
 
     @property
@@ -17,15 +17,18 @@ class Bucket:
         return f"{self.kind}-{self.length}"
 
 
-def context_buckets(max_len: int, min_len: int, explicit: tuple[int, ...] | None) -> list[int]:
+def context_buckets(
+    max_len: int, min_len: int, explicit: tuple[int, ...] | None, kind: str = "context"
+) -> list[int]:
     """Powers of two from ``min_len`` up to ``max_len`` (``max_len`` itself always included),
-    or an explicit list."""
+    or an explicit list. Used for both prefill lengths and decode cache lengths."""
     if explicit:
         sizes = sorted(set(int(x) for x in explicit))
         if sizes[0] < 1:
-            raise UserInputError(f"context buckets must be positive (got {sizes})")
+            raise UserInputError(f"{kind} buckets must be positive (got {sizes})")
         if sizes[-1] > max_len:
-            raise UserInputError(f"context bucket {sizes[-1]} exceeds the max context length {max_len}")
+            limit = "max context length" if kind == "context" else "sequence length"
+            raise UserInputError(f"{kind} bucket {sizes[-1]} exceeds the {limit} {max_len}")
         return sizes
     sizes, n = [], 1
     while n < min(min_len, max_len):
@@ -45,5 +48,15 @@ def pick_context_bucket(buckets: list[Bucket], n_tokens: int) -> Bucket:
         raise UserInputError(
             f"prompt has {n_tokens} tokens but the largest context bucket of this export is {largest}: "
             f"re-export with a larger --max-context-length (and --sequence-length)"
+        )
+    return min(fits, key=lambda b: b.length)
+
+
+def pick_decode_bucket(buckets: list[Bucket], max_position: int) -> Bucket:
+    """The smallest decode graph whose cache slots include ``max_position``."""
+    fits = [b for b in buckets if b.length > max_position]
+    if not fits:
+        raise UserInputError(
+            f"position {max_position} is past the sequence length {max(b.length for b in buckets)}"
         )
     return min(fits, key=lambda b: b.length)

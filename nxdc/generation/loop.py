@@ -29,6 +29,11 @@ class GenerationResult:
     decode_s: float = 0.0
     total_s: float = 0.0
     decode_steps: int = 0
+    token_s: list[float] = field(default_factory=list)  # when each step's tokens were sampled, from start
+
+    @property
+    def inter_token_s(self) -> list[float]:
+        return [b - a for a, b in zip(self.token_s[:-1], self.token_s[1:], strict=True)]
 
     @property
     def new_tokens(self) -> int:
@@ -111,6 +116,7 @@ def generate(
     step = 0
     while True:
         nxt = sampler(logits[:n])
+        res.token_s.append(time.perf_counter() - t0)
         if step == 0:
             res.ttft_s = time.perf_counter() - t0
             t_decode = time.perf_counter()

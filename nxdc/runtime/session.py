@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from nxdc.cache.keys import sha256_file
 from nxdc.compile.backends import get_backend
-from nxdc.compile.buckets import Bucket, pick_context_bucket
+from nxdc.compile.buckets import Bucket, pick_context_bucket, pick_decode_bucket
 from nxdc.compile.trace import TORCH_DTYPES
 from nxdc.errors import ExportDirError, UserInputError
 from nxdc.manifest import load_manifest
@@ -129,9 +129,5 @@ class Session:
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """One token per sequence at its own cache position -> logits [batch, vocab]."""
-        if int(positions.max()) >= self.max_seq:
-            raise UserInputError(
-                f"position {int(positions.max())} is past the sequence length {self.max_seq}"
-            )
-        decode = self.plan.decode[0]
-        return self.graphs[decode.name](tokens.view(-1, 1), positions)
+        bucket = pick_decode_bucket(self.plan.decode, int(positions.max()))
+        return self.graphs[bucket.name](tokens.view(-1, 1), positions)

@@ -1,0 +1,1 @@
+"""`nxdc bench`: latency/throughput of exports, optionally against transformers."""

@@ -1,0 +1,65 @@
+"""Machine facts for benchmark reports: versions, ISA, threads, memory bandwidth."""
+
+from __future__ import annotations
+
+import os
+import platform
+import resource
+import time
+
+import torch
+
+
+def read_bandwidth_gbs(threads: int, mib: int = 512, reps: int = 8) -> float:
+    """Best-of read-only streaming rate of a large fp32 reduction (what a matvec needs)."""
+    torch.set_num_threads(threads)
+    a = torch.ones(mib * 2**20 // 4)
+    a.sum()
+    best = min(_timed(a.sum) for _ in range(reps))
+    return a.numel() * 4 / best / 1e9
+
+
+def copy_bandwidth_gbs(threads: int, mib: int = 512, reps: int = 8) -> float:
+    """Best-of copy rate, counting bytes read plus bytes written (STREAM convention)."""
+    torch.set_num_threads(threads)
+    a = torch.ones(mib * 2**20 // 4)
+    b = torch.empty_like(a)
+    best = min(_timed(lambda: b.copy_(a)) for _ in range(reps))
+    return 2 * a.numel() * 4 / best / 1e9
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def peak_rss_mib() -> float:
+    """Peak resident set size of this process so far (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def machine_info(threads: int) -> dict:
+    import nxdc
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "cores_available": len(os.sched_getaffinity(0))
+        if hasattr(os, "sched_getaffinity")
+        else os.cpu_count(),
+        "threads": threads,
+        "isa": torch.backends.cpu.get_cpu_capability(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "nxdc": nxdc.__version__,
+        "read_bandwidth_gbs": round(read_bandwidth_gbs(threads), 2),
+        "copy_bandwidth_gbs": round(copy_bandwidth_gbs(threads), 2),
+    }

@@ -1,0 +1,48 @@
+"""The transformers model for an export, rebuilt from the export's own config and weights
+(same dtype, same values), so `--compare transformers` needs nothing but the export dir."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from nxdc.compile.trace import TORCH_DTYPES
+from nxdc.errors import UserInputError
+
+
+def transformers_model(export_dir: Path, manifest: dict):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    dtype = TORCH_DTYPES[manifest["plan"]["dtype"]]
+    cfg = AutoConfig.from_pretrained(export_dir)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
+    ours = load_file(str(Path(export_dir) / "weights" / manifest["weights"]["rank0"]["path"]))
+    state = {(k if k == "lm_head.weight" else f"model.{k}"): v for k, v in ours.items()}
+    result = model.load_state_dict(state, strict=False)
+    missing = [k for k in result.missing_keys if not (k == "lm_head.weight" and cfg.tie_word_embeddings)]
+    if missing or result.unexpected_keys:
+        raise UserInputError(
+            f"cannot rebuild the transformers model from {export_dir}: {missing or result.unexpected_keys}"
+        )
+    if cfg.tie_word_embeddings:
+        model.tie_weights()
+    return model
+
+
+def transformers_generate(model, ids: list[list[int]], new_tokens: int) -> dict:
+    """TTFT (a 1-token generate) and decode rate (tokens after the first) of eager generate."""
+    import time
+
+    x = torch.tensor(ids)
+    kw = dict(attention_mask=torch.ones_like(x), do_sample=False, eos_token_id=None, pad_token_id=0)
+    with torch.no_grad():
+        t = time.perf_counter()
+        model.generate(x, max_new_tokens=1, min_new_tokens=1, **kw)
+        ttft = time.perf_counter() - t
+        t = time.perf_counter()
+        model.generate(x, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw)
+        total = time.perf_counter() - t
+    decode = max(total - ttft, 1e-9)
+    return {"ttft_s": ttft, "decode_tokens_per_s": (new_tokens - 1) * len(ids) / decode, "e2e_s": total}

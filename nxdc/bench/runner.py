@@ -1,0 +1,142 @@
+"""Run benchmark configurations over one or more export directories.
+
+Per (export, batch, prompt length): warm-up runs excluded, medians over runs for TTFT,
+decode tokens/s, end-to-end latency and prefill tokens/s; inter-token latency percentiles
+over every step of every run; bytes read per decode step and the share of the measured
+read-bandwidth roofline; optionally transformers' eager generate on the same weights and
+token ids, interleaved run by run (ratios, because shared machines drift)."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from nxdc.bench.machine import machine_info, peak_rss_mib
+from nxdc.errors import UserInputError
+
+SCHEMA = 1
+
+
+def synthetic_prompt(tokenizer, n: int) -> list[int]:
+    """``n`` token ids of ordinary text (repeated as needed), the same for every system."""
+    text = " ".join(["The quick brown fox jumps over the lazy dog while the compiler caches graphs."] * 8)
+    ids = list(tokenizer(text)["input_ids"]) or [0]
+    return (ids * (n // len(ids) + 1))[:n]
+
+
+def step_bytes(session, position: int) -> int:
+    """Bytes a decode step at ``position`` reads: every weight once plus the KV cache slots its
+    decode graph attends to."""
+    from nxdc.compile.buckets import pick_decode_bucket
+
+    s, p = session.spec, session.plan
+    per = 4 if p.dtype == "fp32" else 2
+    kv_len = pick_decode_bucket(p.decode, position).length
+    kv = 2 * s.num_layers * p.batch_size * s.num_kv_heads * kv_len * s.head_dim * per
+    return s.param_count() * per + kv
+
+
+def run_bench(
+    export_dirs: list[Path],
+    batch_sizes: list[int] | None = None,
+    prompt_lengths: list[int] = (128,),
+    new_tokens: int = 128,
+    runs: int = 3,
+    warmup: int = 1,
+    compare: str | None = None,
+    threads: int | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> dict:
+    from nxdc.cli.generate import load_tokenizer
+    from nxdc.generation.loop import generate
+    from nxdc.runtime.session import Session
+    from nxdc.runtime.threads import apply_threads
+
+    if runs < 1 or warmup < 0 or new_tokens < 2:
+        raise UserInputError("--runs must be >= 1, --warmup >= 0 and --new-tokens >= 2")
+    if compare not in (None, "transformers"):
+        raise UserInputError(f"--compare takes 'transformers' (got {compare!r})")
+    threads = apply_threads(threads)
+    info = machine_info(threads)
+    rows = []
+    for d in export_dirs:
+        sess = Session(d, threads=threads)
+        tok = load_tokenizer(d)
+        ref = None
+        if compare:
+            from nxdc.bench.reference import transformers_model
+
+            ref = transformers_model(Path(d), sess.manifest)
+        for b in batch_sizes or [sess.batch_size]:
+            if b > sess.batch_size:
+                raise UserInputError(f"{d}: batch {b} exceeds the export's batch size {sess.batch_size}")
+            for length in prompt_lengths:
+                if length + new_tokens > sess.max_seq:
+                    raise UserInputError(
+                        f"{d}: prompt {length} + {new_tokens} new tokens exceeds the sequence length {sess.max_seq}"
+                    )
+                sess.context_bucket(length)  # clear error if no bucket holds it
+                if progress:
+                    progress(f"{Path(d).name}: batch {b}, prompt {length}")
+                ids = [synthetic_prompt(tok, length)] * b
+                rows.append(
+                    _measure(
+                        sess, tok, ids, new_tokens, runs, warmup, ref, generate, d, info["read_bandwidth_gbs"]
+                    )
+                )
+    return {"schema": SCHEMA, "machine": info, "rows": rows}
+
+
+def _measure(sess, tok, ids, new_tokens, runs, warmup, ref, generate, export_dir, read_bw: float) -> dict:
+    from nxdc.bench.reference import transformers_generate
+
+    b, length = len(ids), len(ids[0])
+    for _ in range(warmup):
+        generate(sess, tok, [""] * b, new_tokens, eos_ids=set(), prompt_ids=ids)
+        if ref is not None:
+            transformers_generate(ref, ids, 4)
+    ours, theirs, itl = [], [], []
+    for _ in range(runs):
+        res = generate(sess, tok, [""] * b, new_tokens, eos_ids=set(), prompt_ids=ids)
+        ours.append(res)
+        itl += res.inter_token_s
+        if ref is not None:
+            theirs.append(transformers_generate(ref, ids, new_tokens))
+    med = statistics.median
+    decode_tps = med(r.decode_tokens_per_s for r in ours)
+    ttft = med(r.ttft_s for r in ours)
+    nbytes = step_bytes(sess, length + new_tokens // 2)  # the typical step of the run
+    row = {
+        "export": str(export_dir),
+        "batch": b,
+        "export_batch_size": sess.batch_size,
+        "prompt_tokens": length,
+        "new_tokens": new_tokens,
+        "runs": len(ours),
+        "ttft_ms": ttft * 1000,
+        "itl_ms": {q: float(np.percentile(itl, int(q[1:])) * 1000) for q in ("p50", "p90", "p99")},
+        "decode_tokens_per_s": decode_tps,
+        "e2e_ms": med(r.total_s for r in ours) * 1000,
+        "prefill_tokens_per_s": b * length / ttft,
+        "peak_rss_mib": peak_rss_mib(),
+        "bytes_per_decode_step": nbytes,
+    }
+    steps_per_s = 1.0 / row["itl_ms"]["p50"] * 1000
+    row["read_gbs_achieved"] = steps_per_s * nbytes / 1e9
+    row["fraction_of_read_roofline"] = row["read_gbs_achieved"] / read_bw
+    if theirs:
+        t = {
+            "ttft_ms": med(x["ttft_s"] for x in theirs) * 1000,
+            "decode_tokens_per_s": med(x["decode_tokens_per_s"] for x in theirs),
+            "e2e_ms": med(x["e2e_s"] for x in theirs) * 1000,
+        }
+        row["transformers"] = t
+        row["ratio_vs_transformers"] = {
+            "decode_tokens_per_s": decode_tps / t["decode_tokens_per_s"],
+            "ttft": row["ttft_ms"] / t["ttft_ms"],
+            "e2e": row["e2e_ms"] / t["e2e_ms"],
+        }
+    return row
