@@ -60,9 +60,11 @@ class ExportResult:
         }
 
 
-def prepare(model: str, opts: ExportOptions) -> tuple[ModelSource, dict, ModelSpec, ExportPlan]:
+def prepare(
+    model: str, opts: ExportOptions, cache_root: Path | None = None
+) -> tuple[ModelSource, dict, ModelSpec, ExportPlan]:
     """Resolve, map the config and validate the plan: everything that can fail fast."""
-    src = resolve(model)
+    src = resolve(model, cache_root)
     cfg = src.config()
     spec = spec_from_config(cfg)
     plan = make_plan(spec, opts)
@@ -170,11 +172,11 @@ def run_export(
     t0 = time.perf_counter()
     rep = reporter or NullReporter()
     out = Path(out).resolve()
+    cache = cache or CompileCache()
     with rep.stage("plan"):
-        src, cfg, spec, plan = prepare(model, opts)
+        src, cfg, spec, plan = prepare(model, opts, cache.root)
         _check_out_dir(out)
     backend = get_backend(plan.backend, plan.device)
-    cache = cache or CompileCache()
     result = ExportResult(out, spec, plan)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))

@@ -74,7 +74,7 @@ def export(
     }
     opts = ExportOptions(**{**preset, **{k: v for k, v in flags.items() if v is not None}})
     if dry_run:
-        _, _, spec, plan = prepare(model, opts)
+        _, _, spec, plan = prepare(model, opts, cache_dir)
         summary = {
             "model": model,
             "arch": spec.arch,

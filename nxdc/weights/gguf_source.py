@@ -5,10 +5,11 @@ the weights match the Hugging Face checkpoint the GGUF was made from."""
 
 from __future__ import annotations
 
+import json
+import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -30,17 +31,48 @@ _GLOBAL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "out
 _SKIP = {"rope_freqs"}  # recomputed from the config
 
 
-def gguf_config(path: Path) -> dict[str, Any]:
-    """The Hugging Face config for a GGUF file, as transformers maps its metadata."""
-    from transformers import AutoConfig
+def converted_metadata(path: Path, cache_root: Path | None = None) -> Path:
+    """A directory with ``config.json`` and the tokenizer files that transformers converts from
+    a GGUF file's metadata. Converting parses the whole file in Python (~3 s each for config
+    and tokenizer), which would dominate a warm export, so the result is kept in
+    ``<cache>/sources/`` keyed by the file's identity (path, size, mtime) and the transformers
+    version, written to a temp dir and renamed into place."""
+    import shutil
+    import tempfile
 
+    import transformers
+    from transformers import AutoConfig, AutoTokenizer
+
+    from nxdc.cache.keys import digest
+    from nxdc.cache.store import default_root
+
+    st = path.stat()
+    key = digest(
+        ["gguf-metadata", 1, str(path.resolve()), st.st_size, st.st_mtime_ns, transformers.__version__]
+    )
+    d = (cache_root or default_root()) / "sources" / key[:24]
+    if (d / "config.json").is_file():
+        return d
+    d.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=d.parent))
     try:
-        cfg = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-    except ValueError as e:
-        raise UnsupportedError(f"{path.name}: {e}") from e
-    except Exception as e:
-        raise UserInputError(f"{path.name} is not a readable GGUF file: {e}") from e
-    return cfg.to_dict()
+        try:
+            cfg = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+            tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        except ValueError as e:
+            raise UnsupportedError(f"{path.name}: {e}") from e
+        except Exception as e:
+            raise UserInputError(f"{path.name} is not a readable GGUF file: {e}") from e
+        tok.save_pretrained(tmp)
+        (tmp / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2, default=str))
+        try:
+            os.rename(tmp, d)
+        except OSError:  # another export converted it meanwhile
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return d
 
 
 def hf_name(gguf_name: str) -> str | None:

@@ -27,13 +27,18 @@ class ModelSource:
     kind: str  # "hf" | "gguf"
     path: Path  # HF directory, or the .gguf file
     name: str  # what the user typed
+    cache_root: Path | None = None  # where converted GGUF metadata is kept
+
+    def metadata_dir(self) -> Path:
+        """Where config.json and the tokenizer files are (converted once for a GGUF file)."""
+        if self.kind == "hf":
+            return self.path
+        from nxdc.weights.gguf_source import converted_metadata
+
+        return converted_metadata(self.path, self.cache_root)
 
     def config(self) -> dict[str, Any]:
-        if self.kind == "hf":
-            return json.loads((self.path / "config.json").read_text())
-        from nxdc.weights.gguf_source import gguf_config
-
-        return gguf_config(self.path)
+        return json.loads((self.metadata_dir() / "config.json").read_text())
 
     def tensors(self, spec) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield (hf_name, fp32-or-source-dtype tensor) one at a time."""
@@ -49,10 +54,7 @@ class ModelSource:
         from transformers import AutoTokenizer
 
         try:
-            if self.kind == "hf":
-                tok = AutoTokenizer.from_pretrained(self.path)
-            else:
-                tok = AutoTokenizer.from_pretrained(self.path.parent, gguf_file=self.path.name)
+            tok = AutoTokenizer.from_pretrained(self.metadata_dir())
         except Exception as e:  # tokenizer libraries raise many types
             raise UserInputError(f"cannot load the tokenizer of {self.name}: {e}") from e
         tok.save_pretrained(out)
@@ -69,20 +71,20 @@ def embedded_path(alias: str) -> Path:
     return path
 
 
-def resolve(model: str) -> ModelSource:
+def resolve(model: str, cache_root: Path | None = None) -> ModelSource:
     if model in EMBEDDED:
-        return ModelSource("gguf", embedded_path(model), model)
+        return ModelSource("gguf", embedded_path(model), model, cache_root)
     p = Path(model).expanduser()
     if p.is_file():
         if p.suffix != ".gguf":
             raise UserInputError(f"{model}: a model file must be .gguf (or pass a directory)")
-        return ModelSource("gguf", p, model)
+        return ModelSource("gguf", p, model, cache_root)
     if p.is_dir():
         if (p / "config.json").is_file():
             return ModelSource("hf", p, model)
         ggufs = sorted(p.glob("*.gguf"))
         if len(ggufs) == 1:
-            return ModelSource("gguf", ggufs[0], model)
+            return ModelSource("gguf", ggufs[0], model, cache_root)
         raise UserInputError(f"{model}: directory has no config.json (and not exactly one .gguf file)")
     if os.sep in model and (model.startswith((".", "/", "~")) or model.count("/") > 1):
         raise UserInputError(f"model path {model!r} does not exist")
