@@ -155,10 +155,8 @@ def compile_bucket(
                     ep = trace(decoder_factory(), bucket, plan.batch_size, plan.device)
                     backend.compile(ep, Path(tmp))
                     found.path = cache.put(ns, key, parts, Path(tmp))
-    from nxdc.compile.backends.inductor import ARTIFACT
-
     # a copy, not a hard link: the export dir must not share bytes with the cache entry
-    shutil.copyfile(found.path / ARTIFACT, dest)
+    shutil.copyfile(found.path / backend.artifact, dest)
     return BucketResult(bucket.name, key, hit, reason, time.perf_counter() - t0)
 
 

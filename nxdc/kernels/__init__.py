@@ -1,15 +1,15 @@
 """nxdc's own CPU kernels for the decode hot path, built once per machine on first use.
 
-``nxdc::skinny_linear(x[M, K], w[N, K]) -> [M, N]`` is an AVX2/FMA fp32 matmul for small M
-(the decode batch): memory-bound, it streams every weight once at ~2.5x the bandwidth of
-PyTorch's default (MKL sgemv) on our CI machine. It is registered with TORCH_LIBRARY, so
+``nxdc::skinny_linear(x[M, K], w[N, K]) -> [M, N]`` is an fp32 matmul for small M (the decode
+batch), with AVX-512 and AVX2/FMA paths chosen at run time: memory-bound, it streams every
+weight once at ~2.5x the bandwidth of PyTorch's default (MKL sgemv) on our CI machine. It is registered with TORCH_LIBRARY, so
 torch.export captures it and AOTInductor calls it from compiled graphs; the process that runs
 such a graph must have loaded the library first (``ensure_loaded``).
 
 The library is compiled from ``matvec.cpp`` with the system C++ compiler into
 ``<cache>/kernels/<hash>/`` (hash of the source, torch version and flags), under a file lock.
-Where it cannot be built or the CPU lacks AVX2/FMA, ``available()`` is False and the model
-uses ``F.linear`` instead."""
+Where it cannot be built or the CPU lacks AVX2/FMA, ``ensure_loaded()`` is False and the
+model uses ``F.linear`` instead."""
 
 from __future__ import annotations
 

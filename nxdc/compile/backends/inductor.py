@@ -25,6 +25,7 @@ def cpu_isa() -> str:
 
 class InductorBackend:
     name = "inductor"
+    artifact = ARTIFACT  # the file a cache entry holds
 
     def __init__(self, device: str = "cpu"):
         self.device = check_device(device)
