@@ -129,3 +129,36 @@ def test_reexport_replaces_only_when_complete(tiny_gqa, tiny_gqa_export, tmp_pat
         run_export(str(tiny_gqa), out, ExportOptions(**GQA_EXPORT))
     assert (out / "nxdc.json").is_file()
     Session(out)  # still loads
+
+
+def test_two_concurrent_exports_share_one_cache(tiny_gqa, tmp_path):
+    """Two `nxdc export` processes on one empty cache: both succeed, each graph is compiled
+    once (the per-key lock makes the second wait and take the first's entry), every entry
+    verifies."""
+    import os
+    import subprocess
+    import sys
+
+    from nxdc.cache.store import verify_entry
+
+    env = {**os.environ, "NXDC_CACHE_DIR": str(tmp_path / "cache")}
+    args = ["--sequence-length", "32", "--context-buckets", "16", "--decode-buckets", "32", "--json"]
+    cmd = [sys.executable, "-m", "nxdc.cli.main", "export", str(tiny_gqa)]
+    procs = [
+        subprocess.Popen(
+            [*cmd, "-o", str(tmp_path / f"out{i}"), *args],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    results = [p.communicate(timeout=600) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [r[1] for r in results]
+    summaries = [json.loads(out) for out, _ in results]
+    assert sum(s["compiled"] for s in summaries) == 2  # context-16 and decode-32, once each
+    entries = list(CompileCache(tmp_path / "cache").entries())
+    assert len(entries) == 2 and all(verify_entry(d) is None for d, _ in entries)
+    for i in range(2):
+        Session(tmp_path / f"out{i}")

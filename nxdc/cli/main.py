@@ -53,3 +53,7 @@ def main() -> None:
 
     signal.signal(signal.SIGTERM, _terminate)
     app()
+
+
+if __name__ == "__main__":
+    main()
