@@ -22,7 +22,7 @@ from nxdc.cache.keys import digest, model_code_digest, sha256_file
 from nxdc.cache.store import CompileCache
 from nxdc.compile.backends import get_backend
 from nxdc.compile.buckets import Bucket
-from nxdc.compile.trace import TORCH_DTYPES, build_decoder, input_specs, trace, wants_kernels
+from nxdc.compile.trace import TORCH_DTYPES, build_decoder, input_specs, meta_decoder, trace, wants_kernels
 from nxdc.errors import UserInputError
 from nxdc.kernels import kernel_digest
 from nxdc.manifest import FORMAT, MANIFEST
@@ -76,7 +76,7 @@ def write_weights(src: ModelSource, spec: ModelSpec, plan: ExportPlan, path: Pat
     arch = get_arch(spec.arch)
     expected = {
         n: tuple(p.shape)
-        for n, p in _meta_decoder(spec, plan).state_dict().items()
+        for n, p in meta_decoder(spec, plan).state_dict().items()
         if not n.endswith(("_cache", "rope_cos", "rope_sin"))
     }
     if spec.tie_word_embeddings:
@@ -97,13 +97,6 @@ def write_weights(src: ModelSource, spec: ModelSpec, plan: ExportPlan, path: Pat
         raise UserInputError(f"{src.name}: weights missing from the checkpoint: {', '.join(missing[:5])}")
     save_file(tensors, os.fspath(path), metadata={"format": "pt"})
     return {"path": path.name, "bytes": path.stat().st_size, "sha256": sha256_file(path)}
-
-
-def _meta_decoder(spec: ModelSpec, plan: ExportPlan):
-    from nxdc.model.decoder import Decoder
-
-    with torch.device("meta"):
-        return Decoder(spec, plan.batch_size, plan.sequence_length, TORCH_DTYPES[plan.dtype])
 
 
 def key_parts(

@@ -15,6 +15,7 @@ from nxdc.errors import UnsupportedError, UserInputError
 from nxdc.spec import ModelSpec
 
 DTYPES = ("fp32", "bf16")
+DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 BACKENDS = ("inductor", "neuron")
 
 
@@ -155,11 +156,11 @@ def make_plan(spec: ModelSpec, opts: ExportOptions) -> ExportPlan:
 
 
 def weight_bytes(spec: ModelSpec, dtype: str) -> int:
-    return spec.param_count() * (4 if dtype == "fp32" else 2)
+    return spec.param_count() * DTYPE_BYTES[dtype]
 
 
-def kv_cache_bytes(spec: ModelSpec, plan: ExportPlan) -> int:
-    per = 4 if plan.dtype == "fp32" else 2
-    return (
-        2 * spec.num_layers * plan.batch_size * spec.num_kv_heads * plan.sequence_length * spec.head_dim * per
-    )
+def kv_cache_bytes(spec: ModelSpec, plan: ExportPlan, slots: int | None = None) -> int:
+    """K and V bytes for ``slots`` cache positions per sequence (default: the whole cache)."""
+    slots = plan.sequence_length if slots is None else slots
+    per_slot = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * DTYPE_BYTES[plan.dtype]
+    return plan.batch_size * slots * per_slot

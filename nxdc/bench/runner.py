@@ -31,12 +31,11 @@ def step_bytes(session, position: int) -> int:
     """Bytes a decode step at ``position`` reads: every weight once plus the KV cache slots its
     decode graph attends to."""
     from nxdc.compile.buckets import pick_decode_bucket
+    from nxdc.plan import kv_cache_bytes, weight_bytes
 
     s, p = session.spec, session.plan
-    per = 4 if p.dtype == "fp32" else 2
-    kv_len = pick_decode_bucket(p.decode, position).length
-    kv = 2 * s.num_layers * p.batch_size * s.num_kv_heads * kv_len * s.head_dim * per
-    return s.param_count() * per + kv
+    slots = pick_decode_bucket(p.decode, position).length
+    return weight_bytes(s, p.dtype) + kv_cache_bytes(s, p, slots)
 
 
 def run_bench(

@@ -32,7 +32,6 @@ def generate(
     """Generate text from an export directory (no recompilation)."""
     from nxdc.generation.loop import generate as run
     from nxdc.generation.sampling import SamplingParams
-    from nxdc.manifest import load_manifest
     from nxdc.runtime.session import Session
     from nxdc.runtime.threads import parse_threads
 
@@ -44,9 +43,8 @@ def generate(
     if threads is not None:
         parse_threads(threads)
     sampling = SamplingParams(do_sample, temperature, top_k, top_p, seed).validate()
-    load_manifest(export_dir)  # version checks before the slow loads
+    session = Session(export_dir, threads=threads)  # checks the manifest and versions first
     tokenizer = load_tokenizer(export_dir)
-    session = Session(export_dir, threads=threads)
 
     def on_text(t: str) -> None:
         sys.stdout.write(t)

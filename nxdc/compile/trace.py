@@ -16,10 +16,14 @@ from nxdc.spec import ModelSpec
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def build_decoder(spec: ModelSpec, plan: ExportPlan, kernels: bool = False) -> Decoder:
+def meta_decoder(spec: ModelSpec, plan: ExportPlan) -> Decoder:
+    """The decoder with shapes and dtypes only (no memory): for shape checks and tracing."""
     with torch.device("meta"):
-        model = Decoder(spec, plan.batch_size, plan.sequence_length, TORCH_DTYPES[plan.dtype])
-    model = model.to_empty(device=plan.device).eval()
+        return Decoder(spec, plan.batch_size, plan.sequence_length, TORCH_DTYPES[plan.dtype])
+
+
+def build_decoder(spec: ModelSpec, plan: ExportPlan, kernels: bool = False) -> Decoder:
+    model = meta_decoder(spec, plan).to_empty(device=plan.device).eval()
     use_skinny_kernels(model, kernels)
     return model
 

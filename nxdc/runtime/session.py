@@ -93,7 +93,7 @@ class Session:
         cos, sin = rope_tables(self.spec, self.plan.sequence_length)
         consts[PREFIX + "rope_cos"], consts[PREFIX + "rope_sin"] = cos.to(self.device), sin.to(self.device)
         s, p = self.spec, self.plan
-        shape = (p.batch_size, s.num_kv_heads, p.sequence_length, s.head_dim)
+        shape = (p.batch_size, s.num_kv_heads, p.sequence_length, s.head_dim)  # as Attention's buffers
         dtype = TORCH_DTYPES[p.dtype]
         for i in range(s.num_layers):
             for kind in ("k_cache", "v_cache"):
