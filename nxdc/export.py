@@ -4,6 +4,7 @@ Plain functions; the CLI only parses options, calls ``run_export`` and renders t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -19,16 +20,27 @@ from safetensors.torch import save_file
 import nxdc
 from nxdc.archs import get_arch
 from nxdc.cache.keys import digest, model_code_digest, sha256_file
+from nxdc.cache.registry import record_export
 from nxdc.cache.store import CompileCache
 from nxdc.compile.backends import get_backend
 from nxdc.compile.buckets import Bucket
-from nxdc.compile.trace import TORCH_DTYPES, build_decoder, input_specs, meta_decoder, trace, wants_kernels
+from nxdc.compile.trace import (
+    TORCH_DTYPES,
+    build_decoder,
+    fake_process_group,
+    input_specs,
+    meta_decoder,
+    trace,
+    wants_kernels,
+)
 from nxdc.errors import UserInputError
 from nxdc.kernels import kernel_digest
 from nxdc.manifest import FORMAT, MANIFEST
+from nxdc.model.parallel import shard_layout
 from nxdc.plan import ExportOptions, ExportPlan, make_plan
 from nxdc.progress import NullReporter, Reporter
 from nxdc.spec import ModelSpec, spec_from_config
+from nxdc.weights.shard import rank_tensor
 from nxdc.weights.sources import ModelSource, resolve
 
 
@@ -71,15 +83,20 @@ def prepare(
     return src, cfg, spec, plan
 
 
-def write_weights(src: ModelSource, spec: ModelSpec, plan: ExportPlan, path: Path) -> dict[str, Any]:
-    """Map, cast and check every tensor; write one safetensors file in the runtime dtype."""
+def write_weights(
+    src: ModelSource, spec: ModelSpec, plan: ExportPlan, rank: int, path: Path
+) -> dict[str, Any]:
+    """Map, shard, cast and check every tensor for one rank; write its safetensors file in the
+    runtime dtype. Holds one rank's share plus one source tensor at a time."""
     arch = get_arch(spec.arch)
+    layout = shard_layout(spec, plan.tp)
+    full = meta_decoder(spec, dataclasses.replace(plan, tp=1)).state_dict()  # checkpoint shapes
     expected = {
         n: tuple(p.shape)
         for n, p in meta_decoder(spec, plan).state_dict().items()
         if not n.endswith(("_cache", "rope_cos", "rope_sin"))
     }
-    if spec.tie_word_embeddings:
+    if spec.tie_word_embeddings:  # the runtime slices it from the embedding
         expected.pop("lm_head.weight", None)
     dtype = TORCH_DTYPES[plan.dtype]
     tensors: dict[str, torch.Tensor] = {}
@@ -87,11 +104,15 @@ def write_weights(src: ModelSource, spec: ModelSpec, plan: ExportPlan, path: Pat
         name = arch.weight_name(hf_name)
         if name is None or name not in expected:
             continue
-        if tuple(t.shape) != expected[name]:
+        if tuple(t.shape) != tuple(full[name].shape):
             raise UserInputError(
-                f"{src.name}: weight {hf_name} has shape {tuple(t.shape)}, the config implies {expected[name]}"
+                f"{src.name}: weight {hf_name} has shape {tuple(t.shape)}, "
+                f"the config implies {tuple(full[name].shape)}"
             )
-        tensors[name] = t.to(dtype).contiguous()
+        w = rank_tensor(name, t, spec, layout, rank)
+        if tuple(w.shape) != expected[name]:  # a sharding bug, not a user error
+            raise AssertionError(f"{name}: rank {rank} shard {tuple(w.shape)} != {expected[name]}")
+        tensors[name] = w.to(dtype).contiguous()
     missing = sorted(set(expected) - set(tensors))
     if missing:
         raise UserInputError(f"{src.name}: weights missing from the checkpoint: {', '.join(missing[:5])}")
@@ -100,8 +121,11 @@ def write_weights(src: ModelSource, spec: ModelSpec, plan: ExportPlan, path: Pat
 
 
 def key_parts(
-    spec: ModelSpec, plan: ExportPlan, bucket: Bucket, backend, kernels: str | None, rank: int = 0
+    spec: ModelSpec, plan: ExportPlan, bucket: Bucket, backend, kernels: str | None
 ) -> dict[str, Any]:
+    """What makes a compiled graph. No rank: under tensor parallelism every rank runs the same
+    graph (SPMD; weights and KV caches are handed in at load time), so one artifact per bucket
+    serves every rank."""
     return {
         "kernels": kernels,
         "model": spec.to_dict(),
@@ -110,7 +134,6 @@ def key_parts(
         "sequence_length": plan.sequence_length,
         "dtype": plan.dtype,
         "tp": plan.tp,
-        "rank": rank,
         "code": model_code_digest(),
         **backend.key_parts(),
     }
@@ -144,7 +167,8 @@ def compile_bucket(
             if again.path is not None:
                 found, hit, reason = again, True, "hit (built concurrently)"
             else:
-                with tempfile.TemporaryDirectory(prefix="nxdc-compile-", dir=cache.root) as tmp:
+                tmp_dir = tempfile.TemporaryDirectory(prefix="nxdc-compile-", dir=cache.root)
+                with tmp_dir as tmp, fake_process_group(plan.tp):
                     ep = trace(decoder_factory(), bucket, plan.batch_size, plan.device)
                     backend.compile(ep, Path(tmp))
                     found.path = cache.put(ns, key, parts, Path(tmp))
@@ -174,8 +198,12 @@ def run_export(
     try:
         (tmp / "weights").mkdir()
         (tmp / "artifacts").mkdir()
-        with rep.stage("weights"):
-            weights = write_weights(src, spec, plan, tmp / "weights" / "rank0.safetensors")
+        weights = {}
+        with rep.stage("weights", total=plan.tp):
+            for rank in range(plan.tp):
+                rep.update(f"[bold]weights[/] rank {rank + 1}/{plan.tp}…")
+                path = tmp / "weights" / f"rank{rank}.safetensors"
+                weights[f"rank{rank}"] = write_weights(src, spec, plan, rank, path)
         with rep.stage("kernels"):
             kernels = kernel_digest() if wants_kernels(plan) else None
         decoder = None
@@ -213,7 +241,7 @@ def run_export(
                 "source": src.name,
                 "spec": spec.to_dict(),
                 "plan": plan.to_dict(),
-                "weights": {"rank0": weights},
+                "weights": weights,
                 "kernels": kernels,
                 "artifacts": artifacts,
                 "created": time.time(),
@@ -224,6 +252,7 @@ def run_export(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    record_export(cache, manifest, namespace(backend))  # for `nxdc cache lookup`; never fails the export
     result.seconds = time.perf_counter() - t0
     return result
 

@@ -115,10 +115,11 @@ def make_plan(spec: ModelSpec, opts: ExportOptions) -> ExportPlan:
     from nxdc.compile.backends import get_backend
 
     get_backend(opts.backend, opts.device)  # refuses unavailable backends/devices now
-    if opts.tp != 1:
-        raise UnsupportedError(
-            f"--tp {opts.tp}: tensor parallelism is not implemented yet in this version; use --tp 1"
-        )
+    from nxdc.model.parallel import check_tp
+
+    why = check_tp(spec, opts.tp)
+    if why:
+        raise UnsupportedError(why)
     if opts.sequence_length > spec.max_position_embeddings:
         raise UserInputError(
             f"--sequence-length {opts.sequence_length} exceeds the model's "
@@ -159,8 +160,29 @@ def weight_bytes(spec: ModelSpec, dtype: str) -> int:
     return spec.param_count() * DTYPE_BYTES[dtype]
 
 
-def kv_cache_bytes(spec: ModelSpec, plan: ExportPlan, slots: int | None = None) -> int:
-    """K and V bytes for ``slots`` cache positions per sequence (default: the whole cache)."""
+def rank_weight_bytes(spec: ModelSpec, plan: ExportPlan) -> int:
+    """Bytes of one rank's weight file: its shards (padding included) plus the replicated
+    embedding and norms (a tied lm_head shard is sliced from the embedding at load time)."""
+    from nxdc.compile.trace import meta_decoder
+
+    model = meta_decoder(spec, plan)
+    seen, n = set(), 0
+    for name, t in model.state_dict(keep_vars=True).items():
+        if name.endswith(("_cache", "rope_cos", "rope_sin")) or id(t) in seen:
+            continue
+        seen.add(id(t))
+        n += t.numel()
+    return n * DTYPE_BYTES[plan.dtype]
+
+
+def kv_cache_bytes(
+    spec: ModelSpec, plan: ExportPlan, slots: int | None = None, per_rank: bool = False
+) -> int:
+    """K and V bytes for ``slots`` cache positions per sequence (default: the whole cache),
+    summed over ranks (replicated and padded KV heads included) unless ``per_rank``."""
+    from nxdc.model.parallel import shard_layout
+
     slots = plan.sequence_length if slots is None else slots
-    per_slot = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * DTYPE_BYTES[plan.dtype]
+    kv = shard_layout(spec, plan.tp).kv * (1 if per_rank else plan.tp)
+    per_slot = 2 * spec.num_layers * kv * spec.head_dim * DTYPE_BYTES[plan.dtype]
     return plan.batch_size * slots * per_slot

@@ -12,6 +12,9 @@ class Reporter:
     def stage(self, name: str, total: int | None = None) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
 
+    def update(self, text: str) -> None:
+        pass
+
     def bucket_start(self, name: str) -> None:
         pass
 
@@ -39,10 +42,16 @@ class RichReporter(Reporter):
         self._status = None
         self.console.print(f"[green]✓[/] {name} [dim]({time.perf_counter() - t0:.1f}s)[/]")
 
+    def update(self, text: str) -> None:
+        if self._status is not None:
+            self._status.update(text)
+
     def bucket_start(self, name: str) -> None:
         if self._status is not None:
             self._status.update(f"[bold]compile[/] {name}: cache lookup / compiling (AOTInductor)…")
 
     def bucket_done(self, name: str, hit: bool, reason: str, seconds: float) -> None:
         tag = "[green]cache hit[/]" if hit else f"[yellow]cache miss[/] [dim]({reason})[/] → compiled"
+        if hit and reason != "hit":  # e.g. "pulled from remote URL"
+            tag += f" [dim]({reason})[/]"
         self.console.print(f"  {name:<16} {tag} [dim]{seconds:.1f}s[/]")

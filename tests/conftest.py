@@ -13,6 +13,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 os.environ["HF_HUB_OFFLINE"] = "1"  # tests never download
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("NXDC_TP_TIMEOUT_S", "120")  # a hung collective fails a test instead of stalling CI
 warnings.filterwarnings("ignore", category=FutureWarning)
 
 from tiny import GQA_EXPORT, make_tiny_llama  # noqa: E402

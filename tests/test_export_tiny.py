@@ -162,3 +162,13 @@ def test_two_concurrent_exports_share_one_cache(tiny_gqa, tmp_path):
     assert len(entries) == 2 and all(verify_entry(d) is None for d, _ in entries)
     for i in range(2):
         Session(tmp_path / f"out{i}")
+    # and `nxdc cache verify` (what a user runs) re-hashes both entries and finds nothing corrupt
+    res = subprocess.run(
+        [sys.executable, "-m", "nxdc.cli.main", "cache", "verify", "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout) == {"checked": 2, "ok": 2, "corrupt": []}

@@ -15,6 +15,10 @@ from nxdc.errors import UserInputError
 def transformers_model(export_dir: Path, manifest: dict):
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    if manifest["plan"]["tp"] != 1:
+        raise UserInputError(
+            f"--compare transformers needs a --tp 1 export ({export_dir} is tp {manifest['plan']['tp']})"
+        )
     dtype = TORCH_DTYPES[manifest["plan"]["dtype"]]
     cfg = AutoConfig.from_pretrained(export_dir)
     model = AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()

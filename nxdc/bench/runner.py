@@ -8,6 +8,7 @@ token ids, interleaved run by run (ratios, because shared machines drift)."""
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 from collections.abc import Callable
 from pathlib import Path
@@ -49,44 +50,54 @@ def run_bench(
     threads: int | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> dict:
-    from nxdc.cli.generate import load_tokenizer
-    from nxdc.generation.loop import generate
-    from nxdc.runtime.session import Session
     from nxdc.runtime.threads import apply_threads
+    from nxdc.runtime.workers import open_session
 
     if runs < 1 or warmup < 0 or new_tokens < 2:
         raise UserInputError("--runs must be >= 1, --warmup >= 0 and --new-tokens >= 2")
     if compare not in (None, "transformers"):
         raise UserInputError(f"--compare takes 'transformers' (got {compare!r})")
+    asked_threads = threads  # tp > 1 exports split the cores over ranks unless told otherwise
     threads = apply_threads(threads)
     info = machine_info(threads)
     rows = []
     for d in export_dirs:
-        sess = Session(d, threads=threads)
-        tok = load_tokenizer(d)
-        ref = None
-        if compare:
-            from nxdc.bench.reference import transformers_model
-
-            ref = transformers_model(Path(d), sess.manifest)
-        for b in batch_sizes or [sess.batch_size]:
-            if b > sess.batch_size:
-                raise UserInputError(f"{d}: batch {b} exceeds the export's batch size {sess.batch_size}")
-            for length in prompt_lengths:
-                if length + new_tokens > sess.max_seq:
-                    raise UserInputError(
-                        f"{d}: prompt {length} + {new_tokens} new tokens exceeds the sequence length {sess.max_seq}"
-                    )
-                sess.context_bucket(length)  # clear error if no bucket holds it
-                if progress:
-                    progress(f"{Path(d).name}: batch {b}, prompt {length}")
-                ids = [synthetic_prompt(tok, length)] * b
-                rows.append(
-                    _measure(
-                        sess, tok, ids, new_tokens, runs, warmup, ref, generate, d, info["read_bandwidth_gbs"]
-                    )
-                )
+        with contextlib.closing(open_session(d, threads=asked_threads)) as sess:
+            rows += _bench_export(
+                sess, d, batch_sizes, prompt_lengths, new_tokens, runs, warmup, compare, progress, info
+            )
     return {"schema": SCHEMA, "machine": info, "rows": rows}
+
+
+def _bench_export(sess, d, batch_sizes, prompt_lengths, new_tokens, runs, warmup, compare, progress, info):
+    from nxdc.cli.generate import load_tokenizer
+    from nxdc.generation.loop import generate
+
+    rows = []
+    tok = load_tokenizer(d)
+    ref = None
+    if compare:
+        from nxdc.bench.reference import transformers_model
+
+        ref = transformers_model(Path(d), sess.manifest)
+    for b in batch_sizes or [sess.batch_size]:
+        if b > sess.batch_size:
+            raise UserInputError(f"{d}: batch {b} exceeds the export's batch size {sess.batch_size}")
+        for length in prompt_lengths:
+            if length + new_tokens > sess.max_seq:
+                raise UserInputError(
+                    f"{d}: prompt {length} + {new_tokens} new tokens exceeds the sequence length {sess.max_seq}"
+                )
+            sess.context_bucket(length)  # clear error if no bucket holds it
+            if progress:
+                progress(f"{Path(d).name}: batch {b}, prompt {length}")
+            ids = [synthetic_prompt(tok, length)] * b
+            rows.append(
+                _measure(
+                    sess, tok, ids, new_tokens, runs, warmup, ref, generate, d, info["read_bandwidth_gbs"]
+                )
+            )
+    return rows
 
 
 def _measure(sess, tok, ids, new_tokens, runs, warmup, ref, generate, export_dir, read_bw: float) -> dict:

@@ -9,6 +9,7 @@ import traceback
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from nxdc.errors import NxdcError
 
@@ -29,7 +30,7 @@ def cli_errors(fn):
         except NxdcError as e:
             if verbose:
                 traceback.print_exc()
-            err_console.print(f"[red]error:[/] {e}", soft_wrap=True)
+            err_console.print(f"[red]error:[/] {escape(str(e))}", soft_wrap=True)
             raise typer.Exit(e.exit_code) from None
         except KeyboardInterrupt:
             err_console.print("[red]interrupted[/]: nothing half-written was kept")
@@ -38,7 +39,7 @@ def cli_errors(fn):
             if verbose:
                 traceback.print_exc()
             err_console.print(
-                f"[red]error:[/] internal error: {type(e).__name__}: {e} (re-run with --verbose for the traceback)",
+                f"[red]error:[/] internal error: {type(e).__name__}: {escape(str(e))} (re-run with --verbose for the traceback)",
                 soft_wrap=True,
             )
             raise typer.Exit(1) from None

@@ -43,15 +43,27 @@ def export(
     cache_dir: Path = typer.Option(
         None, "--cache-dir", envvar="NXDC_CACHE_DIR", help="Compile cache directory."
     ),
+    remote: str = typer.Option(
+        None,
+        "--remote",
+        help="Cache remote to pull missing graphs from (docs/cache.md). [default: NXDC_CACHE_REMOTE, then `nxdc cache set-remote`]",
+    ),
+    require_cache: bool = typer.Option(
+        False,
+        "--require-cache",
+        help="Fail instead of compiling locally when the cache remote is unreachable.",
+    ),
     dry_run: bool = typer.Option(False, "--dry-run", help="Validate and print the plan; read no weights."),
     json_out: bool = typer.Option(False, "--json", help="Print a JSON summary on stdout."),
     quiet: bool = typer.Option(False, "-q", "--quiet", help="No progress output."),
     verbose: bool = typer.Option(False, "-v", "--verbose", help="Tracebacks on errors."),
 ) -> None:
     """Compile MODEL into an export directory (weights + one compiled graph per bucket)."""
-    from nxdc.cache.store import CompileCache
+    from rich.markup import escape
+
+    from nxdc.cache.transfer import open_cache
     from nxdc.export import prepare, run_export
-    from nxdc.plan import ExportOptions, kv_cache_bytes, load_preset, weight_bytes
+    from nxdc.plan import ExportOptions, load_preset
     from nxdc.progress import NullReporter, RichReporter
 
     preset = load_preset(config) if config else {}
@@ -75,26 +87,20 @@ def export(
     opts = ExportOptions(**{**preset, **{k: v for k, v in flags.items() if v is not None}})
     if dry_run:
         _, _, spec, plan = prepare(model, opts, cache_dir)
-        summary = {
-            "model": model,
-            "arch": spec.arch,
-            "params": spec.param_count(),
-            "plan": plan.to_dict(),
-            "weight_bytes": weight_bytes(spec, plan.dtype),
-            "kv_cache_bytes": kv_cache_bytes(spec, plan),
-        }
+        summary = plan_summary(model, spec, plan)
         if json_out:
             print_json(summary)
         elif not quiet:
-            err_console.print(
-                f"{spec.arch}: {spec.param_count() / 1e6:.1f}M params, tp {plan.tp}, batch {plan.batch_size}, "
-                f"seq {plan.sequence_length}, {plan.dtype}, {plan.backend}/{plan.device}\n"
-                f"buckets: {', '.join(b.name for b in plan.buckets)}\n"
-                f"weights {summary['weight_bytes'] / 2**20:.0f} MiB, KV cache {summary['kv_cache_bytes'] / 2**20:.0f} MiB"
-            )
+            err_console.print(describe_plan(summary), soft_wrap=True, markup=False)
         return
     reporter = NullReporter() if (quiet or json_out) else RichReporter(err_console)
-    result = run_export(model, output, opts, cache=CompileCache(cache_dir), reporter=reporter)
+    cache = open_cache(
+        cache_dir,
+        remote,
+        require_cache,
+        warn=lambda m: err_console.print(f"[yellow]warning:[/] {escape(m)}", soft_wrap=True),
+    )
+    result = run_export(model, output, opts, cache=cache, reporter=reporter)
     if json_out:
         print_json(result.to_dict())
     elif not quiet:
@@ -103,6 +109,54 @@ def export(
             f"[bold green]exported[/] {output} in {d['seconds']:.1f}s "
             f"({d['cache_hits']} cache hits, {d['compiled']} compiled)"
         )
+
+
+def plan_summary(model: str, spec, plan) -> dict:
+    """What ``--dry-run`` reports: the plan, its sharding and its memory, per rank and in all."""
+    from nxdc.model.parallel import shard_layout
+    from nxdc.plan import kv_cache_bytes, rank_weight_bytes, weight_bytes
+
+    layout = shard_layout(spec, plan.tp)
+    rank_w, rank_kv = rank_weight_bytes(spec, plan), kv_cache_bytes(spec, plan, per_rank=True)
+    return {
+        "model": model,
+        "arch": spec.arch,
+        "params": spec.param_count(),
+        "plan": plan.to_dict(),
+        "weight_bytes": weight_bytes(spec, plan.dtype),
+        "kv_cache_bytes": kv_cache_bytes(spec, plan),
+        "sharding": {
+            "strategy": layout.strategy,
+            "heads": layout.describe(spec),
+            "q_heads_per_rank": layout.heads,
+            "kv_heads_per_rank": layout.kv,
+            "intermediate_per_rank": layout.intermediate,
+            "vocab_per_rank": layout.vocab,
+            "rank_weight_bytes": rank_w,
+            "rank_kv_cache_bytes": rank_kv,
+        },
+    }
+
+
+def describe_plan(s: dict) -> str:
+    p, sh = s["plan"], s["sharding"]
+    mib = lambda n: f"{n / 2**20:,.0f} MiB"  # noqa: E731
+    lines = [
+        f"{s['arch']}: {s['params'] / 1e6:,.1f}M params, tp {p['tp']}, batch {p['batch_size']}, "
+        f"seq {p['sequence_length']}, {p['dtype']}, {p['backend']}/{p['device']}",
+        "buckets: " + ", ".join(f"{b['kind']}-{b['length']}" for b in p["buckets"]),
+        f"weights {mib(s['weight_bytes'])}, KV cache {mib(s['kv_cache_bytes'])}",
+    ]
+    if p["tp"] > 1:
+        lines += [
+            f"sharding ({sh['strategy']}): {sh['heads']}",
+            "  q/k/v, gate/up column-parallel; o, down row-parallel (one all-reduce each per layer); "
+            f"lm_head vocab-parallel ({sh['vocab_per_rank']:,} rows per rank, all-gathered); "
+            f"MLP {sh['intermediate_per_rank']:,} per rank; embedding and norms replicated "
+            "(a lookup reads only the batch's rows)",
+            f"per rank: weights {mib(sh['rank_weight_bytes'])}, KV cache {mib(sh['rank_kv_cache_bytes'])}",
+        ]
+    return "\n".join(lines)
 
 
 def _int_list(s: str, flag: str) -> tuple[int, ...]:

@@ -29,11 +29,11 @@ def generate(
     quiet: bool = typer.Option(False, "-q", "--quiet", help="Only the generated text."),
     verbose: bool = typer.Option(False, "-v", "--verbose", help="Tracebacks on errors."),
 ) -> None:
-    """Generate text from an export directory (no recompilation)."""
-    from nxdc.generation.loop import generate as run
+    """Generate text from an export directory (no recompilation). Exports made with --tp N run
+    N processes (started here; or by torchrun across machines)."""
     from nxdc.generation.sampling import SamplingParams
-    from nxdc.runtime.session import Session
     from nxdc.runtime.threads import parse_threads
+    from nxdc.runtime.workers import external_rank, open_session, serve
 
     prompts = list(prompt or [])
     if not prompts:
@@ -43,7 +43,19 @@ def generate(
     if threads is not None:
         parse_threads(threads)
     sampling = SamplingParams(do_sample, temperature, top_k, top_p, seed).validate()
-    session = Session(export_dir, threads=threads)  # checks the manifest and versions first
+    if external_rank():  # a non-zero rank started by torchrun: compute only, rank 0 prints
+        serve(export_dir, threads or 1)
+        return
+    session = open_session(export_dir, threads=threads)  # checks the manifest and versions first
+    try:
+        _generate(session, export_dir, prompts, max_new_tokens, sampling, stop, chat, stream, json_out, quiet)
+    finally:
+        session.close()
+
+
+def _generate(session, export_dir, prompts, max_new_tokens, sampling, stop, chat, stream, json_out, quiet):
+    from nxdc.generation.loop import generate as run
+
     tokenizer = load_tokenizer(export_dir)
 
     def on_text(t: str) -> None:

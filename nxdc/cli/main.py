@@ -18,6 +18,7 @@ warnings.filterwarnings("ignore", category=DeprecationWarning)
 import typer  # noqa: E402
 
 from nxdc.cli.bench import bench  # noqa: E402
+from nxdc.cli.cache import app as cache_app  # noqa: E402
 from nxdc.cli.export import export  # noqa: E402
 from nxdc.cli.generate import generate  # noqa: E402
 
@@ -31,6 +32,7 @@ app = typer.Typer(
 app.command("export")(export)
 app.command("generate")(generate)
 app.command("bench")(bench)
+app.add_typer(cache_app, name="cache")
 
 
 @app.command("version")

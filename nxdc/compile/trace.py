@@ -5,11 +5,14 @@ needs shapes and dtypes, not values, and the real weights are handed in at load 
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from nxdc.compile.buckets import Bucket
 from nxdc.model.decoder import ContextEncoding, Decoder, TokenGeneration
 from nxdc.model.layers import use_skinny_kernels
+from nxdc.model.parallel import shard_layout
 from nxdc.plan import ExportPlan
 from nxdc.spec import ModelSpec
 
@@ -17,9 +20,16 @@ TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def meta_decoder(spec: ModelSpec, plan: ExportPlan) -> Decoder:
-    """The decoder with shapes and dtypes only (no memory): for shape checks and tracing."""
+    """One rank's decoder with shapes and dtypes only (no memory): for shape checks and tracing.
+    Every rank has the same shapes, so one graph per bucket serves them all."""
     with torch.device("meta"):
-        return Decoder(spec, plan.batch_size, plan.sequence_length, TORCH_DTYPES[plan.dtype])
+        return Decoder(
+            spec,
+            plan.batch_size,
+            plan.sequence_length,
+            TORCH_DTYPES[plan.dtype],
+            layout=shard_layout(spec, plan.tp),
+        )
 
 
 def build_decoder(spec: ModelSpec, plan: ExportPlan, kernels: bool = False) -> Decoder:
@@ -53,5 +63,31 @@ def trace(model: Decoder, bucket: Bucket, batch: int, device: str) -> torch.expo
     args = tuple(
         torch.zeros(shape, dtype=torch.int64, device=device) for _, shape in input_specs(bucket, batch)
     )
-    with torch.no_grad():
+    with torch.no_grad(), fake_process_group(model.tp):
         return torch.export.export(graph_for(model, bucket), args, strict=False)
+
+
+@contextlib.contextmanager
+def fake_process_group(tp: int):
+    """A stand-in ``tp``-rank process group (no peers, no communication) so that the graph's
+    collectives can be traced in this one process; the graphs name the default group, which
+    the runtime's real gloo/NCCL group replaces."""
+    import torch.distributed as dist
+
+    if tp == 1:
+        yield
+        return
+    if dist.is_initialized():
+        if dist.get_world_size() != tp:
+            raise RuntimeError(
+                f"a {dist.get_world_size()}-rank process group is active; cannot trace tp {tp}"
+            )
+        yield
+        return
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -6,7 +6,12 @@ weight once at ~2.5x the bandwidth of PyTorch's default (MKL sgemv) on our CI ma
 torch.export captures it and AOTInductor calls it from compiled graphs; the process that runs
 such a graph must have loaded the library first (``ensure_loaded``).
 
-The library is compiled from ``matvec.cpp`` with the system C++ compiler into
+``nxdc::linear_f16(x, w)``, ``nxdc::linear_bf16(x, w)`` and ``nxdc::linear_i8(x, w, scale)``
+(``matvec_lowp.cpp``) take fp32 activations and fp16 / bf16 / int8 weights ``[N, K]`` (int8:
+symmetric, fp32 ``scale [N]`` per row or ``[N, K // G]`` per group, see ``quant.py``), convert
+weights to fp32 in registers and accumulate in fp32, for any M.
+
+The library is compiled from ``matvec.cpp`` and ``matvec_lowp.cpp`` with the system C++ compiler into
 ``<cache>/kernels/<hash>/`` (hash of the source, torch version and flags), under a file lock.
 Where it cannot be built or the CPU lacks AVX2/FMA, ``ensure_loaded()`` is False and the
 model uses ``F.linear`` instead."""
@@ -23,6 +28,8 @@ import torch
 
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("matvec.cpp")
+# every C++ source compiled into the one library (SOURCE first); all of them go into the digest
+SOURCES = [SOURCE, Path(__file__).with_name("matvec_lowp.cpp")]
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
 MAX_ROWS = 8  # the kernel handles M <= 8 (larger M is compute-bound: MKL is the right choice)
 
@@ -37,6 +44,8 @@ def cpu_supported() -> bool:
 
 def kernel_digest() -> str:
     h = hashlib.sha256(SOURCE.read_bytes())
+    for src in SOURCES[1:]:
+        h.update(src.read_bytes())
     h.update(torch.__version__.encode())
     h.update(" ".join(CFLAGS).encode())
     return h.hexdigest()[:16]
@@ -62,7 +71,7 @@ def ensure_loaded() -> bool:
         with FileLock(str(d / ".build.lock")):
             so = load(
                 name="nxdc_kernels",
-                sources=[str(SOURCE)],
+                sources=[str(s) for s in SOURCES],
                 extra_cflags=CFLAGS,
                 extra_ldflags=["-fopenmp"],
                 is_python_module=False,
@@ -81,4 +90,18 @@ def ensure_loaded() -> bool:
 def _register_fake() -> None:
     @torch.library.register_fake("nxdc::skinny_linear")
     def _(x, w):
+        return x.new_empty((x.shape[0], w.shape[0]))
+
+    # Weight-only reduced precision (matvec_lowp.cpp): x fp32 [M, K]; w fp16 / bf16 / int8 [N, K];
+    # int8 scale fp32 [N] (per row) or [N, K // G] (per group of G inputs); out fp32 [M, N].
+    @torch.library.register_fake("nxdc::linear_f16")
+    def _(x, w):
+        return x.new_empty((x.shape[0], w.shape[0]))
+
+    @torch.library.register_fake("nxdc::linear_bf16")
+    def _(x, w):
+        return x.new_empty((x.shape[0], w.shape[0]))
+
+    @torch.library.register_fake("nxdc::linear_i8")
+    def _(x, w, scale):
         return x.new_empty((x.shape[0], w.shape[0]))

@@ -1,6 +1,7 @@
 """GQA attention over a static, in-place-updated KV cache.
 
-Layout: ``k_cache``/``v_cache`` are ``[batch, kv_heads, max_seq, head_dim]`` buffers. New
+Layout: ``k_cache``/``v_cache`` are ``[batch, kv_heads, max_seq, head_dim]`` buffers (this
+rank's KV heads under tensor parallelism). New
 keys/values are written with ``index_copy_`` into a flattened row view (row-only writes,
 never a whole-cache copy), at per-sequence positions. Queries are regrouped as
 ``[batch, kv_heads, group * T, head_dim]`` so every KV head serves its query group without
@@ -14,13 +15,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from nxdc.model.layers import Linear, apply_rope
+from nxdc.model.parallel import ShardLayout, all_reduce
 from nxdc.spec import ModelSpec
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: ModelSpec, batch: int, max_seq: int, dtype: torch.dtype, device=None):
+    def __init__(
+        self, spec: ModelSpec, layout: ShardLayout, batch: int, max_seq: int, dtype: torch.dtype, device=None
+    ):
         super().__init__()
-        self.n_heads, self.n_kv, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        # this rank's heads (all of them at tp 1); o_proj's partial sums meet in an all-reduce
+        self.n_heads, self.n_kv, self.head_dim = layout.heads, layout.kv, spec.head_dim
+        self.tp = layout.tp
         self.max_seq = max_seq
         h, d, b = spec.hidden_size, spec.head_dim, spec.attention_bias
         self.q_proj = Linear(h, self.n_heads * d, b, dtype, device)
@@ -66,4 +72,4 @@ class Attention(nn.Module):
         gmask = mask.unsqueeze(2).expand(mask.shape[0], 1, group, t, s).reshape(-1, 1, group * t, s)
         out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=gmask)
         out = out.reshape(bsz, self.n_heads, t, d).transpose(1, 2).reshape(bsz, t, -1)
-        return self.o_proj(out)
+        return all_reduce(self.o_proj(out), self.tp)

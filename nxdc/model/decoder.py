@@ -12,37 +12,53 @@ from torch import nn
 
 from nxdc.model.attention import Attention
 from nxdc.model.layers import MLP, Linear, RMSNorm, rope_tables
+from nxdc.model.parallel import ShardLayout, all_gather_last, all_reduce, shard_layout
 from nxdc.spec import ModelSpec
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, batch: int, max_seq: int, dtype, device=None):
+    def __init__(self, spec: ModelSpec, layout: ShardLayout, batch: int, max_seq: int, dtype, device=None):
         super().__init__()
+        self.tp = layout.tp
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
-        self.self_attn = Attention(spec, batch, max_seq, dtype, device)
+        self.self_attn = Attention(spec, layout, batch, max_seq, dtype, device)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
-        self.mlp = MLP(spec, dtype, device)
+        self.mlp = MLP(spec, dtype, device, intermediate=layout.intermediate)
 
     def forward(self, h, cos, sin, positions, mask, kv_len):
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, positions, mask, kv_len)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        return h + all_reduce(self.mlp(self.post_attention_layernorm(h)), self.tp)
 
 
 class Decoder(nn.Module):
-    def __init__(self, spec: ModelSpec, batch: int, max_seq: int, dtype: torch.dtype, device=None):
+    """One rank's decoder (the whole model at tp 1): replicated embedding and norms, this
+    rank's heads / MLP columns / vocabulary rows (``layout``)."""
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        batch: int,
+        max_seq: int,
+        dtype: torch.dtype,
+        device=None,
+        layout: ShardLayout | None = None,
+    ):
         super().__init__()
-        self.spec, self.batch, self.max_seq = spec, batch, max_seq
+        layout = layout or shard_layout(spec, 1)
+        self.spec, self.batch, self.max_seq, self.tp = spec, batch, max_seq, layout.tp
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device)
         self.layers = nn.ModuleList(
-            DecoderLayer(spec, batch, max_seq, dtype, device) for _ in range(spec.num_layers)
+            DecoderLayer(spec, layout, batch, max_seq, dtype, device) for _ in range(spec.num_layers)
         )
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
-        self.lm_head = Linear(spec.hidden_size, spec.vocab_size, False, dtype, device)
-        if spec.tie_word_embeddings:
+        self.lm_head = Linear(spec.hidden_size, layout.vocab, False, dtype, device)
+        if spec.tie_word_embeddings and layout.tp == 1:
             self.lm_head.weight = self.embed_tokens.weight
         cos, sin = rope_tables(spec, max_seq)
         self.register_buffer("rope_cos", cos.to(device), persistent=False)
         self.register_buffer("rope_sin", sin.to(device), persistent=False)
+        if layout.tp > 1:  # this rank's index, bound per rank at run time (all_gather_last)
+            self.register_buffer("tp_rank", torch.zeros(1, dtype=torch.int64, device=device), persistent=False)
 
     def forward(
         self,
@@ -61,7 +77,8 @@ class Decoder(nn.Module):
             h = h[:, -1]
         else:
             h = h[torch.arange(h.shape[0], device=h.device), last_index]
-        return self.lm_head(self.norm(h)).float()
+        logits = all_gather_last(self.lm_head(self.norm(h)), self.tp, getattr(self, "tp_rank", None))
+        return logits[..., : self.spec.vocab_size].float()
 
 
 class ContextEncoding(nn.Module):

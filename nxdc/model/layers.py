@@ -55,11 +55,13 @@ def use_skinny_kernels(model: nn.Module, enabled: bool = True) -> None:
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """SwiGLU: down(silu(gate(x)) * up(x)); ``intermediate`` is this rank's share under tensor
+    parallelism (the caller all-reduces the output)."""
 
-    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device=None):
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device=None, intermediate: int | None = None):
         super().__init__()
-        h, i, b = spec.hidden_size, spec.intermediate_size, spec.mlp_bias
+        h, b = spec.hidden_size, spec.mlp_bias
+        i = intermediate or spec.intermediate_size
         self.gate_proj = Linear(h, i, b, dtype, device)
         self.up_proj = Linear(h, i, b, dtype, device)
         self.down_proj = Linear(i, h, b, dtype, device)

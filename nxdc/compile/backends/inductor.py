@@ -31,7 +31,9 @@ class InductorBackend:
         self.device = check_device(device)
 
     def inductor_configs(self) -> dict[str, Any]:
-        return {"aot_inductor.package_constants_in_so": False}
+        # always_keep_tensor_constants: Inductor otherwise folds small constants into the code,
+        # and some are bound per rank at load time (the tensor-parallel rank index)
+        return {"aot_inductor.package_constants_in_so": False, "always_keep_tensor_constants": True}
 
     def key_parts(self) -> dict[str, Any]:
         return {

@@ -1,0 +1,105 @@
+"""Cut one rank's share out of a checkpoint tensor (see ``nxdc.model.parallel`` for the layout).
+
+Sources hand out ``LazyTensor``s; row-sharded weights (q/k/v/gate/up/lm_head) read only the
+row range their rank needs (safetensors ``get_slice``, GGUF quantized rows), column-sharded
+ones (o/down) read the tensor once and keep their columns. Padding (heads, MLP columns,
+vocabulary rows that the layout adds) is zeros, which adds exactly 0 to every output."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from nxdc.model.parallel import ShardLayout
+from nxdc.spec import ModelSpec
+
+
+class LazyTensor(Protocol):
+    shape: tuple[int, ...]
+
+    def read(self, rows: slice | None = None) -> torch.Tensor:
+        """Rows ``rows`` of dimension 0 (all of them by default), as a torch tensor."""
+        ...
+
+
+def _read(t: LazyTensor, a: int, b: int) -> torch.Tensor:
+    """Rows a..b; an empty range (a rank of padding only) still yields the right dtype."""
+    if a < b:
+        return t.read(slice(a, b))
+    return t.read(slice(0, 1))[:0]
+
+
+def _rows_by_heads(t: LazyTensor, heads: tuple[int | None, ...], d: int) -> torch.Tensor:
+    real = [h for h in heads if h is not None]
+    # only the span of this rank's heads is read (nothing for a rank of padding heads only)
+    a, b = (min(real) * d, (max(real) + 1) * d) if real else (0, 0)
+    sub = _read(t, a, b)
+    out = sub.new_zeros((len(heads) * d, *sub.shape[1:]))
+    for i, h in enumerate(heads):
+        if h is not None:
+            out[i * d : (i + 1) * d] = sub[h * d - a : h * d - a + d]
+    return out
+
+
+def _cols_by_heads(w: torch.Tensor, heads: tuple[int | None, ...], d: int) -> torch.Tensor:
+    out = w.new_zeros((w.shape[0], len(heads) * d))
+    for i, h in enumerate(heads):
+        if h is not None:
+            out[:, i * d : (i + 1) * d] = w[:, h * d : (h + 1) * d]
+    return out
+
+
+def _rows_range(t: LazyTensor, rank: int, per: int) -> torch.Tensor:
+    total = t.shape[0]
+    a, b = min(rank * per, total), min((rank + 1) * per, total)
+    sub = _read(t, a, b)
+    if b - a == per:
+        return sub
+    out = sub.new_zeros((per, *sub.shape[1:]))
+    out[: b - a] = sub
+    return out
+
+
+def _cols_range(w: torch.Tensor, rank: int, per: int) -> torch.Tensor:
+    total = w.shape[1]
+    a, b = min(rank * per, total), min((rank + 1) * per, total)
+    out = w.new_zeros((w.shape[0], per))
+    out[:, : b - a] = w[:, a:b]
+    return out
+
+
+def rank_tensor(name: str, t: LazyTensor, spec: ModelSpec, layout: ShardLayout, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s tensor for the nxdc parameter ``name``."""
+    if layout.tp == 1:
+        return t.read()
+    d = spec.head_dim
+    module, _, kind = name.rpartition(".")
+    leaf = module.rpartition(".")[2]
+    if leaf == "q_proj":
+        return _rows_by_heads(t, layout.q_heads[rank], d)
+    if leaf in ("k_proj", "v_proj"):
+        return _rows_by_heads(t, layout.kv_heads[rank], d)
+    if leaf in ("gate_proj", "up_proj"):
+        return _rows_range(t, rank, layout.intermediate)
+    if name == "lm_head.weight":
+        return _rows_range(t, rank, layout.vocab)
+    if leaf in ("o_proj", "down_proj"):
+        full = t.read()
+        if kind == "bias":  # row-parallel: added once, by rank 0, before the all-reduce
+            return full if rank == 0 else torch.zeros_like(full)
+        if leaf == "o_proj":
+            return _cols_by_heads(full, layout.q_heads[rank], d)
+        return _cols_range(full, rank, layout.intermediate)
+    return t.read()  # embedding, norms: replicated
+
+
+def tied_lm_head(embed: torch.Tensor, layout: ShardLayout, rank: int) -> torch.Tensor:
+    """A tied lm_head's rows for ``rank``: a view of the embedding unless padding is needed."""
+    per = layout.vocab
+    a, b = min(rank * per, embed.shape[0]), min((rank + 1) * per, embed.shape[0])
+    if b - a == per:
+        return embed[a:b]
+    out = embed.new_zeros((per, embed.shape[1]))
+    out[: b - a] = embed[a:b]
+    return out
