@@ -99,7 +99,7 @@ def main() -> int:
             return 1
         speeds, gen_peaks = [], {}
         for _ in range(a.runs):
-            gen, peaks = run_tracked([*NXDC, "generate", str(out), "-p", PROMPT, "-n", str(a.new_tokens), "--json"])
+            gen, peaks = run_tracked([*NXDC, "generate", str(out), "-p", PROMPT, "-n", str(a.new_tokens), "--chat", "--json"])
             if gen.returncode:
                 sys.stderr.write(gen.stderr)
                 return 1
