@@ -192,15 +192,12 @@ def pull(
 
 
 def _export_options(config: Path | None, given: dict):
-    from nxdc.cli.export import _int_list
-    from nxdc.plan import ExportOptions, load_preset
+    from nxdc.cli.export import export_options
+    from nxdc.plan import load_preset
 
     preset = load_preset(config) if config else {}
     preset.pop("model", None)
-    for name in ("context_buckets", "decode_buckets"):
-        if name in given:
-            given[name] = _int_list(given[name], f"--{name.replace('_', '-')}")
-    return ExportOptions(**{**preset, **given})
+    return export_options(preset, given)
 
 
 @app.command("sync")

@@ -63,7 +63,7 @@ def export(
 
     from nxdc.cache.transfer import open_cache
     from nxdc.export import prepare, run_export
-    from nxdc.plan import ExportOptions, load_preset
+    from nxdc.plan import load_preset
     from nxdc.progress import NullReporter, RichReporter
 
     preset = load_preset(config) if config else {}
@@ -77,14 +77,14 @@ def export(
         "sequence_length": sequence_length,
         "max_context_length": max_context_length,
         "min_context_bucket": min_context_bucket,
-        "context_buckets": _int_list(context_buckets, "--context-buckets") if context_buckets else None,
+        "context_buckets": context_buckets,
         "min_decode_bucket": min_decode_bucket,
-        "decode_buckets": _int_list(decode_buckets, "--decode-buckets") if decode_buckets else None,
+        "decode_buckets": decode_buckets,
         "dtype": dtype,
         "backend": backend,
         "device": device,
     }
-    opts = ExportOptions(**{**preset, **{k: v for k, v in flags.items() if v is not None}})
+    opts = export_options(preset, flags)
     if dry_run:
         _, _, spec, plan = prepare(model, opts, cache_dir)
         summary = plan_summary(model, spec, plan)
@@ -157,6 +157,18 @@ def describe_plan(s: dict) -> str:
             f"per rank: weights {mib(sh['rank_weight_bytes'])}, KV cache {mib(sh['rank_kv_cache_bytes'])}",
         ]
     return "\n".join(lines)
+
+
+def export_options(preset: dict, flags: dict):
+    """The preset's options overridden by the flags given (None: not given); bucket lists
+    parsed from their comma-separated form. Shared by ``export`` and ``cache pull``."""
+    from nxdc.plan import ExportOptions
+
+    given = {k: v for k, v in flags.items() if v is not None}
+    for name in ("context_buckets", "decode_buckets"):
+        if isinstance(given.get(name), str):
+            given[name] = _int_list(given[name], f"--{name.replace('_', '-')}")
+    return ExportOptions(**{**preset, **given})
 
 
 def _int_list(s: str, flag: str) -> tuple[int, ...]:

@@ -7,6 +7,7 @@ looks like a complete entry."""
 
 from __future__ import annotations
 
+import abc
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,29 +50,33 @@ def safe_path(path: str) -> str:
     return path
 
 
-class Remote:
-    """Base class; subclasses implement the five file operations."""
+class Remote(abc.ABC):
+    """Base class; subclasses implement the file operations marked abstract."""
 
     url: str
 
+    @abc.abstractmethod
     def list_files(self, prefix: str) -> dict[str, RemoteFile]:
         """Every file under ``prefix`` (a folder, no trailing slash), recursively, by path."""
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def read_bytes(self, path: str) -> bytes | None:
         """The file's content, or None when it does not exist."""
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def download(self, path: str, dest: Path) -> None:
         """Write the file to ``dest`` (a path in a temp dir the caller owns)."""
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def upload(self, files: list[tuple[str, Path]], message: str) -> None:
         """Upload (remote path, local file) pairs in order; meta.json files come last per entry."""
-        raise NotImplementedError
+        ...
 
-    def prepare_push(self) -> None:
-        """Called once before a push (the Hub creates the repo here)."""
+    def prepare_push(self) -> None:  # noqa: B027 (optional hook, not abstract)
+        """Called once before a push (the Hub creates the repo here); nothing by default."""
 
     # -- derived -------------------------------------------------------------------------
 
