@@ -90,8 +90,23 @@ def main() -> int:
         out = Path(a.out) / f"smollm2-tp{tp}"
         t0 = time.perf_counter()
         exp, exp_peaks = run_tracked(
-            [*NXDC, "export", "smollm2-135m", "-o", str(out), "--tp", str(tp), "--sequence-length", "256",
-             "--context-buckets", "128", "--decode-buckets", "256", "--quiet", *cache]
+            [
+                *NXDC,
+                "export",
+                "smollm2-135m",
+                "-o",
+                str(out),
+                "--tp",
+                str(tp),
+                "--sequence-length",
+                "256",
+                "--context-buckets",
+                "128",
+                "--decode-buckets",
+                "256",
+                "--quiet",
+                *cache,
+            ]
         )
         export_s = time.perf_counter() - t0
         if exp.returncode:
@@ -99,19 +114,31 @@ def main() -> int:
             return 1
         speeds, gen_peaks = [], {}
         for _ in range(a.runs):
-            gen, peaks = run_tracked([*NXDC, "generate", str(out), "-p", PROMPT, "-n", str(a.new_tokens), "--chat", "--json"])
+            gen, peaks = run_tracked(
+                [*NXDC, "generate", str(out), "-p", PROMPT, "-n", str(a.new_tokens), "--chat", "--json"]
+            )
             if gen.returncode:
                 sys.stderr.write(gen.stderr)
                 return 1
             speeds.append(json.loads(gen.stdout)["stats"]["decode_tokens_per_s"])
             gen_peaks = {k: max(v, gen_peaks.get(k, 0)) for k, v in peaks.items()}
-        rows.append({"tp": tp, "export_s": round(export_s, 1), "export_peak_rss_mib": exp_peaks,
-                     "generate_peak_rss_mib": gen_peaks, "decode_tokens_per_s": sorted(speeds)[len(speeds) // 2]})
+        rows.append(
+            {
+                "tp": tp,
+                "export_s": round(export_s, 1),
+                "export_peak_rss_mib": exp_peaks,
+                "generate_peak_rss_mib": gen_peaks,
+                "decode_tokens_per_s": sorted(speeds)[len(speeds) // 2],
+            }
+        )
         r = rows[-1]
         ranks = ", ".join(f"{k} {v:.0f}" for k, v in sorted(gen_peaks.items()))
-        print(f"tp {tp}: export {export_s:.0f} s, peak RSS {exp_peaks.get('rank 0', 0):.0f} MiB "
-              f"(compiler {exp_peaks.get('children', 0):.0f}); generate peak RSS MiB: {ranks}; "
-              f"decode {r['decode_tokens_per_s']:.1f} tok/s (median of {a.runs})", flush=True)
+        print(
+            f"tp {tp}: export {export_s:.0f} s, peak RSS {exp_peaks.get('rank 0', 0):.0f} MiB "
+            f"(compiler {exp_peaks.get('children', 0):.0f}); generate peak RSS MiB: {ranks}; "
+            f"decode {r['decode_tokens_per_s']:.1f} tok/s (median of {a.runs})",
+            flush=True,
+        )
     print(json.dumps({"threads": os.cpu_count(), "rows": rows}, indent=1))
     return 0
 

@@ -33,11 +33,13 @@ from nxdc.compile.trace import (
     trace,
     wants_kernels,
 )
-from nxdc.errors import UserInputError
+from nxdc.errors import UnsupportedError, UserInputError
 from nxdc.kernels import kernel_digest
+from nxdc.kernels.quant import quantize_int8
 from nxdc.manifest import FORMAT, MANIFEST
+from nxdc.model.fused import combine, fused_target, part_shape
 from nxdc.model.parallel import shard_layout
-from nxdc.plan import ExportOptions, ExportPlan, make_plan
+from nxdc.plan import ExportOptions, ExportPlan, make_plan, planned_spec
 from nxdc.progress import NullReporter, Reporter
 from nxdc.spec import ModelSpec, spec_from_config
 from nxdc.weights.shard import rank_tensor
@@ -80,6 +82,9 @@ def prepare(
     cfg = src.config()
     spec = spec_from_config(cfg)
     plan = make_plan(spec, opts)
+    spec = planned_spec(spec, opts)
+    if opts.num_layers:  # the export's config.json describes the model it holds
+        cfg = {**cfg, "num_hidden_layers": opts.num_layers}
     return src, cfg, spec, plan
 
 
@@ -89,35 +94,63 @@ def write_weights(
     """Map, shard, cast and check every tensor for one rank; write its safetensors file in the
     runtime dtype. Holds one rank's share plus one source tensor at a time."""
     arch = get_arch(spec.arch)
+    if src.kind == "gguf" and not arch.gguf:  # GGUF names/permutations are mapped for Llama only
+        raise UnsupportedError(
+            f"{src.name}: GGUF files of {spec.arch} models are not supported; use its safetensors checkpoint"
+        )
     layout = shard_layout(spec, plan.tp)
+    tp1 = shard_layout(spec, 1)
     full = meta_decoder(spec, dataclasses.replace(plan, tp=1)).state_dict()  # checkpoint shapes
-    expected = {
-        n: tuple(p.shape)
+    meta = {
+        n: p
         for n, p in meta_decoder(spec, plan).state_dict().items()
         if not n.endswith(("_cache", "rope_cos", "rope_sin"))
     }
+    expected = {n: tuple(p.shape) for n, p in meta.items()}
     if spec.tie_word_embeddings:  # the runtime slices it from the embedding
         expected.pop("lm_head.weight", None)
+        expected.pop("lm_head.scale", None)
     dtype = TORCH_DTYPES[plan.dtype]
     tensors: dict[str, torch.Tensor] = {}
+    parts: dict[str, dict[int, torch.Tensor]] = {}  # fused name -> this rank's parts so far
     for hf_name, t in src.tensors(spec):
         name = arch.weight_name(hf_name)
-        if name is None or name not in expected:
+        fused = fused_target(name, spec.num_experts) if name is not None else None
+        stored = fused.target if fused else name
+        if stored is None or stored not in expected:
             continue
-        if tuple(t.shape) != tuple(full[name].shape):
+        want = full[stored].shape
+        if fused:  # a q/k/v, gate/up or expert part (model/fused.py)
+            want = part_shape(spec, tp1, name, tuple(want))
+        if tuple(t.shape) != tuple(want):
             raise UserInputError(
-                f"{src.name}: weight {hf_name} has shape {tuple(t.shape)}, "
-                f"the config implies {tuple(full[name].shape)}"
+                f"{src.name}: weight {hf_name} has shape {tuple(t.shape)}, the config implies {tuple(want)}"
             )
-        w = rank_tensor(name, t, spec, layout, rank)
-        if tuple(w.shape) != expected[name]:  # a sharding bug, not a user error
-            raise AssertionError(f"{name}: rank {rank} shard {tuple(w.shape)} != {expected[name]}")
-        tensors[name] = w.to(dtype).contiguous()
+        w = rank_tensor(name, t, spec, layout, rank).to(dtype)
+        if fused:
+            got = parts.setdefault(stored, {})
+            got[fused.index] = w
+            if len(got) < fused.count:
+                continue
+            w = combine(fused, [got[i] for i in range(fused.count)])
+            del parts[stored]
+        if tuple(w.shape) != expected[stored]:  # a sharding bug, not a user error
+            raise AssertionError(f"{stored}: rank {rank} shard {tuple(w.shape)} != {expected[stored]}")
+        tensors.update(stored_tensors(stored, w, meta[stored].dtype))
     missing = sorted(set(expected) - set(tensors))
     if missing:
         raise UserInputError(f"{src.name}: weights missing from the checkpoint: {', '.join(missing[:5])}")
     save_file(tensors, os.fspath(path), metadata={"format": "pt"})
     return {"path": path.name, "bytes": path.stat().st_size, "sha256": sha256_file(path)}
+
+
+def stored_tensors(name: str, w: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """A weight as the model stores it: cast, or (int8) quantized per output row with its
+    ``scale`` beside it (``--weights``, docs/weights.md)."""
+    if dtype == torch.int8:
+        q, scale = quantize_int8(w)
+        return {name: q, f"{name.rpartition('.')[0]}.scale": scale}
+    return {name: w.to(dtype).contiguous()}
 
 
 def key_parts(
@@ -133,7 +166,9 @@ def key_parts(
         "batch_size": plan.batch_size,
         "sequence_length": plan.sequence_length,
         "dtype": plan.dtype,
+        **({"weights": plan.weights} if plan.weights else {}),
         "tp": plan.tp,
+        **({"speculation_length": plan.speculation_length} if bucket.kind == "verify" else {}),
         "code": model_code_digest(),
         **backend.key_parts(),
     }
@@ -169,7 +204,9 @@ def compile_bucket(
             else:
                 tmp_dir = tempfile.TemporaryDirectory(prefix="nxdc-compile-", dir=cache.root)
                 with tmp_dir as tmp, fake_process_group(plan.tp):
-                    ep = trace(decoder_factory(), bucket, plan.batch_size, plan.device)
+                    ep = trace(
+                        decoder_factory(), bucket, plan.batch_size, plan.device, plan.speculation_length
+                    )
                     backend.compile(ep, Path(tmp))
                     found.path = cache.put(ns, key, parts, Path(tmp))
     # a copy, not a hard link: the export dir must not share bytes with the cache entry
@@ -227,7 +264,7 @@ def run_export(
                     "key": br.key,
                     "sha256": sha256_file(dest),
                     "bytes": dest.stat().st_size,
-                    "inputs": input_specs(bucket, plan.batch_size),
+                    "inputs": input_specs(bucket, plan.batch_size, plan.speculation_length),
                 }
         with rep.stage("write"):
             (tmp / "config.json").write_text(json.dumps(cfg, indent=2, default=str))

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import tomllib
 from dataclasses import dataclass
@@ -34,6 +35,9 @@ class ExportOptions:
     dtype: str = "fp32"
     backend: str = "inductor"
     device: str = "cpu"
+    speculation_length: int = 0  # K > 0: add verify graphs (K+1 tokens per call) for speculation
+    weights: str | None = None  # storage of linear-layer weights: fp32 | fp16 | bf16 | int8 (default: dtype)
+    num_layers: int | None = None  # keep only the first L layers (a self-draft for speculation)
 
     @classmethod
     def fields(cls) -> set[str]:
@@ -49,6 +53,14 @@ class ExportPlan:
     backend: str
     device: str
     buckets: tuple[Bucket, ...]
+    speculation_length: int = 0
+    source_num_layers: int | None = None  # set when --num-layers truncated the model
+    weights: str | None = None  # None: stored in ``dtype``
+
+    @property
+    def weight_format(self) -> str:
+        """How linear layers (and the embedding) store their weights; see docs/weights.md."""
+        return self.weights or self.dtype
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -66,6 +78,10 @@ class ExportPlan:
     @property
     def decode(self) -> list[Bucket]:
         return [b for b in self.buckets if b.kind == "decode"]
+
+    @property
+    def verify(self) -> list[Bucket]:
+        return [b for b in self.buckets if b.kind == "verify"]
 
 
 def load_preset(path: str | os.PathLike) -> dict[str, Any]:
@@ -101,11 +117,12 @@ def _positive(name: str, value: int) -> None:
 DEFAULT_SEQUENCE_LENGTH = 1024
 
 
-def make_plan(spec: ModelSpec, opts: ExportOptions) -> ExportPlan:
+def make_plan(spec: ModelSpec, opts: ExportOptions, check_device: bool = True) -> ExportPlan:
+    """``check_device=False`` plans for another machine (``--config-only``): the backend and
+    device are not required to be available here."""
     if opts.sequence_length is None:
-        opts = dataclasses.replace(
-            opts, sequence_length=min(DEFAULT_SEQUENCE_LENGTH, spec.max_position_embeddings)
-        )
+        limits = [DEFAULT_SEQUENCE_LENGTH, spec.max_position_embeddings, spec.sliding_window]
+        opts = dataclasses.replace(opts, sequence_length=min(n for n in limits if n is not None))
     for name in ("tp", "batch_size", "sequence_length", "min_context_bucket", "min_decode_bucket"):
         _positive(name, getattr(opts, name))
     if opts.dtype not in DTYPES:
@@ -114,7 +131,8 @@ def make_plan(spec: ModelSpec, opts: ExportOptions) -> ExportPlan:
         raise UserInputError(f"--backend must be one of {', '.join(BACKENDS)} (got {opts.backend!r})")
     from nxdc.compile.backends import get_backend
 
-    get_backend(opts.backend, opts.device)  # refuses unavailable backends/devices now
+    if check_device:
+        get_backend(opts.backend, opts.device)  # refuses unavailable backends/devices now
     from nxdc.model.parallel import check_tp
 
     why = check_tp(spec, opts.tp)
@@ -124,6 +142,12 @@ def make_plan(spec: ModelSpec, opts: ExportOptions) -> ExportPlan:
         raise UserInputError(
             f"--sequence-length {opts.sequence_length} exceeds the model's "
             f"max_position_embeddings ({spec.max_position_embeddings})"
+        )
+    if spec.sliding_window is not None and opts.sequence_length > spec.sliding_window:
+        raise UserInputError(
+            f"--sequence-length {opts.sequence_length} exceeds the model's sliding_window "
+            f"({spec.sliding_window}): nxdc attends over the whole cache, which matches the model "
+            f"only within its window; use --sequence-length {spec.sliding_window} or less"
         )
     if spec.num_heads % spec.num_kv_heads:
         raise UserInputError(
@@ -145,6 +169,19 @@ def make_plan(spec: ModelSpec, opts: ExportOptions) -> ExportPlan:
             f"the largest decode bucket must equal --sequence-length {opts.sequence_length} (got {dec[-1]})"
         )
     buckets = [Bucket("context", n) for n in ctx] + [Bucket("decode", n) for n in dec]
+    if opts.num_layers is not None:
+        _positive("num_layers", opts.num_layers)
+        if opts.num_layers >= spec.num_layers:
+            raise UserInputError(
+                f"--num-layers {opts.num_layers} must be below the model's {spec.num_layers} layers"
+            )
+    k = opts.speculation_length
+    if not isinstance(k, int) or k < 0:
+        raise UserInputError(f"--speculation-length must be a non-negative integer (got {k!r})")
+    if k and k + 1 > min(dec):
+        raise UserInputError(f"--speculation-length {k} needs decode buckets of more than {k + 1} slots")
+    if k:  # one verify graph per decode cache length: K+1 tokens scored against the cache
+        buckets += [Bucket("verify", n) for n in dec]
     return ExportPlan(
         tp=opts.tp,
         batch_size=opts.batch_size,
@@ -153,11 +190,66 @@ def make_plan(spec: ModelSpec, opts: ExportOptions) -> ExportPlan:
         backend=opts.backend,
         device=opts.device,
         buckets=tuple(buckets),
+        speculation_length=k,
+        weights=_weight_format(opts),
+        source_num_layers=spec.num_layers if opts.num_layers else None,
     )
 
 
-def weight_bytes(spec: ModelSpec, dtype: str) -> int:
-    return spec.param_count() * DTYPE_BYTES[dtype]
+def read_config_json(path: str | os.PathLike) -> dict[str, Any]:
+    """A Hugging Face config.json (or a directory holding one), for planning without weights."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "config.json"
+    if not p.is_file():
+        raise UserInputError(f"config file {path} does not exist")
+    try:
+        cfg = json.loads(p.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserInputError(f"{p} is not valid JSON: {e}") from e
+    if not isinstance(cfg, dict):
+        raise UserInputError(f"{p} is not a Hugging Face config (a JSON object)")
+    return cfg
+
+
+def plan_from_config(path: str | os.PathLike, opts: ExportOptions) -> tuple[dict, ModelSpec, ExportPlan]:
+    """Spec and plan from a config.json alone (``nxdc export --config-only``): sizes a
+    deployment for another machine, so the backend and device are not checked here."""
+    from nxdc.spec import spec_from_config
+
+    cfg = read_config_json(path)
+    spec = spec_from_config(cfg)
+    plan = make_plan(spec, opts, check_device=False)
+    return cfg, planned_spec(spec, opts), plan
+
+
+WEIGHT_FORMATS = ("fp32", "fp16", "bf16", "int8")
+
+
+def _weight_format(opts: ExportOptions) -> str | None:
+    w = opts.weights
+    if w is None or w == opts.dtype:
+        return None
+    if w not in WEIGHT_FORMATS:
+        raise UserInputError(f"--weights must be one of {', '.join(WEIGHT_FORMATS)} (got {w!r})")
+    if opts.dtype != "fp32":
+        raise UserInputError(
+            f"--weights {w} needs --dtype fp32 (reduced-precision weights with fp32 activations); "
+            f"--dtype {opts.dtype} stores the weights in {opts.dtype}"
+        )
+    return w
+
+
+def planned_spec(spec: ModelSpec, opts: ExportOptions) -> ModelSpec:
+    """The model the export holds: ``--num-layers L`` keeps the first L layers (plus the final
+    norm and lm_head), e.g. a draft for speculative decoding made from the target itself."""
+    return dataclasses.replace(spec, num_layers=opts.num_layers) if opts.num_layers else spec
+
+
+def weight_bytes(spec: ModelSpec, plan: ExportPlan) -> int:
+    """Bytes of the whole model's weights as stored (``--weights``: int8 plus its scales, ...);
+    a decode step streams about this much (a tied embedding is read once, as the lm_head)."""
+    return rank_weight_bytes(spec, dataclasses.replace(plan, tp=1))
 
 
 def rank_weight_bytes(spec: ModelSpec, plan: ExportPlan) -> int:
@@ -171,8 +263,8 @@ def rank_weight_bytes(spec: ModelSpec, plan: ExportPlan) -> int:
         if name.endswith(("_cache", "rope_cos", "rope_sin")) or id(t) in seen:
             continue
         seen.add(id(t))
-        n += t.numel()
-    return n * DTYPE_BYTES[plan.dtype]
+        n += t.numel() * t.element_size()
+    return n
 
 
 def kv_cache_bytes(

@@ -63,8 +63,9 @@ def test_tiny_degrees_cover_every_layout():
 
 def test_smollm2_layouts_and_refusal():
     # SmolLM2's head counts (9 / 3) with sizes 3 divides
-    cfg = tiny_llama_config(num_attention_heads=9, num_key_value_heads=3, hidden_size=72,
-                            intermediate_size=144, vocab_size=264)
+    cfg = tiny_llama_config(
+        num_attention_heads=9, num_key_value_heads=3, hidden_size=72, intermediate_size=144, vocab_size=264
+    )
     spec = spec_from_config(cfg.to_dict())
     assert shard_layout(spec, 2).strategy == "pad"
     assert shard_layout(spec, 3).strategy == "split"
@@ -159,11 +160,14 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.slow
+def _streaming_generate(export_dir) -> list[str]:
+    return [sys.executable, "-m", "nxdc.cli.main", "generate", str(export_dir), "-p", "Once upon a time", "-n", "100", "--stream"]  # fmt: skip
+
+
 def test_killed_worker_ends_the_run(tp_exports):
     """SIGKILL rank 1 while rank 0 streams: non-zero exit and a one-line reason, in seconds."""
     out = tp_exports("smollm2-135m", 2, **SMOLLM2_EXPORT)
-    cmd = [sys.executable, "-m", "nxdc.cli.main", "generate", str(out), "-p", "Once upon a time",
-           "-n", "100", "--stream"]
+    cmd = _streaming_generate(out)
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         assert p.stdout.read(1)  # rank 0 is streaming: both ranks are in the decode loop
@@ -185,13 +189,16 @@ def test_killed_worker_ends_the_run(tp_exports):
 @pytest.mark.slow
 def test_ctrl_c_stops_every_rank(tp_exports):
     out = tp_exports("smollm2-135m", 2, **SMOLLM2_EXPORT)
-    cmd = [sys.executable, "-m", "nxdc.cli.main", "generate", str(out), "-p", "Once upon a time",
-           "-n", "100", "--stream"]
+    cmd = _streaming_generate(out)
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     try:
         assert p.stdout.read(1)
-        workers = [int(w) for w in subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True,
-                                                  text=True).stdout.split()]
+        workers = [
+            int(w)
+            for w in subprocess.run(
+                ["pgrep", "-P", str(p.pid)], capture_output=True, text=True
+            ).stdout.split()
+        ]
         os.killpg(p.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole group
         _, err = p.communicate(timeout=30)
     finally:

@@ -10,6 +10,7 @@ from nxdc.errors import UnsupportedError
 
 class Arch(Protocol):
     name: str
+    gguf: bool  # whether nxdc can read this architecture's GGUF files
 
     def spec_from_config(self, cfg: dict[str, Any]) -> Any: ...
 
@@ -43,4 +44,4 @@ def get_arch(model_type: str):
 
 
 def _load_all() -> None:
-    from nxdc.archs import llama  # noqa: F401
+    from nxdc.archs import llama, mistral, mixtral, qwen2, qwen3, qwen3_moe  # noqa: F401

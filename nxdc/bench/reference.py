@@ -10,6 +10,8 @@ from safetensors.torch import load_file
 
 from nxdc.compile.trace import TORCH_DTYPES
 from nxdc.errors import UserInputError
+from nxdc.model.fused import unfuse_state_dict
+from nxdc.spec import ModelSpec
 
 
 def transformers_model(export_dir: Path, manifest: dict):
@@ -23,12 +25,14 @@ def transformers_model(export_dir: Path, manifest: dict):
     cfg = AutoConfig.from_pretrained(export_dir)
     model = AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
     ours = load_file(str(Path(export_dir) / "weights" / manifest["weights"]["rank0"]["path"]))
+    ours = unfuse_state_dict(ours, ModelSpec.from_dict(manifest["spec"]))
     state = {(k if k == "lm_head.weight" else f"model.{k}"): v for k, v in ours.items()}
     result = model.load_state_dict(state, strict=False)
     missing = [k for k in result.missing_keys if not (k == "lm_head.weight" and cfg.tie_word_embeddings)]
     if missing or result.unexpected_keys:
         raise UserInputError(
-            f"cannot rebuild the transformers model from {export_dir}: {missing or result.unexpected_keys}"
+            f"cannot rebuild the transformers model from {export_dir}: "
+            f"{len(missing)} missing weights, e.g. {missing[:2]}; unexpected: {result.unexpected_keys[:2]}"
         )
     if cfg.tie_word_embeddings:
         model.tie_weights()

@@ -36,7 +36,7 @@ def step_bytes(session, position: int) -> int:
 
     s, p = session.spec, session.plan
     slots = pick_decode_bucket(p.decode, position).length
-    return weight_bytes(s, p.dtype) + kv_cache_bytes(s, p, slots)
+    return weight_bytes(s, p) + kv_cache_bytes(s, p, slots)
 
 
 def run_bench(

@@ -13,7 +13,9 @@ from nxdc.errors import UserInputError
 @cli_errors
 def export(
     model: str = typer.Argument(None, help="Local HF dir, .gguf file, Hub id (org/name), or 'smollm2-135m'."),
-    output: Path = typer.Option(..., "-o", "--output", help="Export directory to write."),
+    output: Path = typer.Option(
+        None, "-o", "--output", help="Export directory to write (not needed with --dry-run)."
+    ),
     config: Path = typer.Option(None, "--config", help="TOML preset (configs/*.toml); flags override it."),
     tp: int = typer.Option(None, "--tp", help="Tensor-parallel degree. [default: 1]"),
     batch_size: int = typer.Option(None, "--batch-size", help="Static batch size. [default: 1]"),
@@ -38,6 +40,22 @@ def export(
         None, "--decode-buckets", help="Explicit decode cache lengths, e.g. 512,1024."
     ),
     dtype: str = typer.Option(None, "--dtype", help="fp32 | bf16. [default: fp32]"),
+    weights: str = typer.Option(
+        None,
+        "--weights",
+        help="Weight storage: fp32 | fp16 | bf16 | int8 (activations stay --dtype fp32). [default: --dtype]",
+    ),
+    check_accuracy: bool = typer.Option(
+        False, "--check-accuracy", help="Measure the --weights format's error against fp32 on a fixed text."
+    ),
+    speculation_length: int = typer.Option(
+        None,
+        "--speculation-length",
+        help="Add verify graphs scoring K draft tokens per call (speculative decoding). [default: 0]",
+    ),
+    num_layers: int = typer.Option(
+        None, "--num-layers", help="Keep only the first L layers (a self-draft for speculation)."
+    ),
     backend: str = typer.Option(None, "--backend", help="inductor | neuron. [default: inductor]"),
     device: str = typer.Option(None, "--device", help="cpu | cuda[:N] (inductor backend). [default: cpu]"),
     cache_dir: Path = typer.Option(
@@ -54,6 +72,12 @@ def export(
         help="Fail instead of compiling locally when the cache remote is unreachable.",
     ),
     dry_run: bool = typer.Option(False, "--dry-run", help="Validate and print the plan; read no weights."),
+    config_only: Path = typer.Option(
+        None,
+        "--config-only",
+        help="Plan from this config.json alone (implies --dry-run): size a deployment with no weights, "
+        "no download and no check that the backend/device exist here. MODEL may also be a config.json.",
+    ),
     json_out: bool = typer.Option(False, "--json", help="Print a JSON summary on stdout."),
     quiet: bool = typer.Option(False, "-q", "--quiet", help="No progress output."),
     verbose: bool = typer.Option(False, "-v", "--verbose", help="Tracebacks on errors."),
@@ -69,8 +93,14 @@ def export(
     preset = load_preset(config) if config else {}
     model = model or preset.pop("model", None)
     preset.pop("model", None)
+    if config_only is None and model and model.endswith(".json") and Path(model).is_file():
+        config_only = Path(model)  # a config.json alone: plan only
+    if config_only is not None:
+        model = model or str(config_only)
     if not model:
         raise UserInputError("missing MODEL (a directory, .gguf file, Hub id or smollm2-135m)")
+    if output is None and not (dry_run or config_only is not None):
+        raise UserInputError("missing -o/--output (the export directory to write)")
     flags = {
         "tp": tp,
         "batch_size": batch_size,
@@ -81,13 +111,22 @@ def export(
         "min_decode_bucket": min_decode_bucket,
         "decode_buckets": decode_buckets,
         "dtype": dtype,
+        "speculation_length": speculation_length,
+        "weights": weights,
+        "num_layers": num_layers,
         "backend": backend,
         "device": device,
     }
     opts = export_options(preset, flags)
-    if dry_run:
-        _, _, spec, plan = prepare(model, opts, cache_dir)
+    if dry_run or config_only is not None:
+        if config_only is not None:
+            from nxdc.plan import plan_from_config
+
+            _, spec, plan = plan_from_config(config_only, opts)
+        else:
+            _, _, spec, plan = prepare(model, opts, cache_dir)
         summary = plan_summary(model, spec, plan)
+        summary["config_only"] = config_only is not None
         if json_out:
             print_json(summary)
         elif not quiet:
@@ -100,15 +139,28 @@ def export(
         require_cache,
         warn=lambda m: err_console.print(f"[yellow]warning:[/] {escape(m)}", soft_wrap=True),
     )
+    if check_accuracy and opts.weights in (None, opts.dtype):
+        raise UserInputError("--check-accuracy measures a --weights format against fp32: pass --weights")
     result = run_export(model, output, opts, cache=cache, reporter=reporter)
+    summary = result.to_dict()
+    if check_accuracy:
+        from nxdc.accuracy import measure
+
+        summary["accuracy"] = acc = measure(model, opts, cache_root=cache_dir)
     if json_out:
-        print_json(result.to_dict())
+        print_json(summary)
     elif not quiet:
-        d = result.to_dict()
         err_console.print(
-            f"[bold green]exported[/] {output} in {d['seconds']:.1f}s "
-            f"({d['cache_hits']} cache hits, {d['compiled']} compiled)"
+            f"[bold green]exported[/] {output} in {summary['seconds']:.1f}s "
+            f"({summary['cache_hits']} cache hits, {summary['compiled']} compiled)"
         )
+        if check_accuracy:
+            err_console.print(
+                f"accuracy of --weights {acc['weights']} vs fp32 on {acc['tokens']} tokens: "
+                f"top-1 agreement {acc['top1_agreement']:.1%}, perplexity {acc['perplexity']:.3f} vs "
+                f"{acc['perplexity_fp32']:.3f} ({acc['perplexity_ratio'] - 1:+.2%}), "
+                f"max |logit error| {acc['max_abs_logit_error']:.3g}"
+            )
 
 
 def plan_summary(model: str, spec, plan) -> dict:
@@ -118,12 +170,25 @@ def plan_summary(model: str, spec, plan) -> dict:
 
     layout = shard_layout(spec, plan.tp)
     rank_w, rank_kv = rank_weight_bytes(spec, plan), kv_cache_bytes(spec, plan, per_rank=True)
+    moe = {}
+    if spec.is_moe:
+        from nxdc.model.moe import expert_intermediate
+
+        moe = {
+            "moe": {
+                "experts": spec.num_experts,
+                "experts_per_token": spec.experts_per_token,
+                "active_params": spec.param_count(active=True),
+                "expert_intermediate_per_rank": expert_intermediate(spec, plan.tp),
+            }
+        }
     return {
         "model": model,
         "arch": spec.arch,
         "params": spec.param_count(),
+        **moe,
         "plan": plan.to_dict(),
-        "weight_bytes": weight_bytes(spec, plan.dtype),
+        "weight_bytes": weight_bytes(spec, plan),
         "kv_cache_bytes": kv_cache_bytes(spec, plan),
         "sharding": {
             "strategy": layout.strategy,
@@ -147,12 +212,26 @@ def describe_plan(s: dict) -> str:
         "buckets: " + ", ".join(f"{b['kind']}-{b['length']}" for b in p["buckets"]),
         f"weights {mib(s['weight_bytes'])}, KV cache {mib(s['kv_cache_bytes'])}",
     ]
+    moe = s.get("moe")
+    if moe:
+        lines.insert(
+            1,
+            f"MoE: {moe['experts']} experts, top {moe['experts_per_token']} per token "
+            f"({moe['active_params'] / 1e6:,.1f}M params active per token)",
+        )
+    if s.get("config_only"):
+        lines.append("planned from config.json alone: no weights read; backend/device not checked here")
     if p["tp"] > 1:
+        mlp = (
+            f"each expert {moe['expert_intermediate_per_rank']:,} per rank, router replicated"
+            if moe
+            else f"MLP {sh['intermediate_per_rank']:,} per rank"
+        )
         lines += [
             f"sharding ({sh['strategy']}): {sh['heads']}",
             "  q/k/v, gate/up column-parallel; o, down row-parallel (one all-reduce each per layer); "
             f"lm_head vocab-parallel ({sh['vocab_per_rank']:,} rows per rank, all-gathered); "
-            f"MLP {sh['intermediate_per_rank']:,} per rank; embedding and norms replicated "
+            f"{mlp}; embedding and norms replicated "
             "(a lookup reads only the batch's rows)",
             f"per rank: weights {mib(sh['rank_weight_bytes'])}, KV cache {mib(sh['rank_kv_cache_bytes'])}",
         ]

@@ -25,6 +25,17 @@ def generate(
     chat: bool = typer.Option(False, "--chat", help="Apply the tokenizer's chat template."),
     stream: bool = typer.Option(False, "--stream", help="Print tokens as they come (one prompt)."),
     threads: int = typer.Option(None, "--threads", help="CPU threads. [default: cores available]"),
+    draft: Path = typer.Option(
+        None, "--draft", help="Speculative decoding with this draft export (same tokenizer, --tp 1)."
+    ),
+    prompt_lookup: int = typer.Option(
+        None,
+        "--prompt-lookup",
+        help="Speculative decoding with draft tokens from n-gram matches in the text (max n-gram N).",
+    ),
+    speculation_length: int = typer.Option(
+        None, "--speculation-length", help="Draft tokens per step. [default: the export's K]"
+    ),
     json_out: bool = typer.Option(False, "--json", help="Print results and stats as JSON."),
     quiet: bool = typer.Option(False, "-q", "--quiet", help="Only the generated text."),
     verbose: bool = typer.Option(False, "-v", "--verbose", help="Tracebacks on errors."),
@@ -46,17 +57,52 @@ def generate(
     if external_rank():  # a non-zero rank started by torchrun: compute only, rank 0 prints
         serve(export_dir, threads or 1)
         return
+    if draft is not None and prompt_lookup is not None:
+        raise UserInputError("--draft and --prompt-lookup are two ways to draft: pick one")
+    if speculation_length is not None and draft is None and prompt_lookup is None:
+        raise UserInputError("--speculation-length needs --draft or --prompt-lookup")
     session = open_session(export_dir, threads=threads)  # checks the manifest and versions first
     try:
-        _generate(session, export_dir, prompts, max_new_tokens, sampling, stop, chat, stream, json_out, quiet)
+        tokenizer = load_tokenizer(export_dir)
+        speculator = _speculator(session, tokenizer, draft, prompt_lookup, speculation_length, threads)
+        _generate(
+            session,
+            tokenizer,
+            prompts,
+            max_new_tokens,
+            sampling,
+            stop,
+            chat,
+            stream,
+            json_out,
+            quiet,
+            speculator,
+        )
     finally:
         session.close()
 
 
-def _generate(session, export_dir, prompts, max_new_tokens, sampling, stop, chat, stream, json_out, quiet):
-    from nxdc.generation.loop import generate as run
+def _speculator(session, tokenizer, draft, prompt_lookup, k, threads):
+    """The drafter the flags ask for (None: plain decoding)."""
+    from nxdc.generation.speculative import DraftModel, PromptLookup, Speculator
 
-    tokenizer = load_tokenizer(export_dir)
+    if draft is None and prompt_lookup is None:
+        return None
+    if draft is not None:
+        from nxdc.runtime.session import Session
+
+        if load_tokenizer(draft).get_vocab() != tokenizer.get_vocab():
+            raise UserInputError(f"the draft {draft} has a different tokenizer from the target")
+        drafter = DraftModel(Session(draft, threads=threads), session)
+    else:
+        drafter = PromptLookup(prompt_lookup)
+    return Speculator(drafter, k or session.speculation_length or 1, session)
+
+
+def _generate(
+    session, tokenizer, prompts, max_new_tokens, sampling, stop, chat, stream, json_out, quiet, speculator
+):
+    from nxdc.generation.loop import generate as run
 
     def on_text(t: str) -> None:
         sys.stdout.write(t)
@@ -71,6 +117,7 @@ def _generate(session, export_dir, prompts, max_new_tokens, sampling, stop, chat
         list(stop or []),
         chat,
         on_text=on_text if stream and not json_out else None,
+        speculator=speculator,
     )
     if json_out:
         print_json(res.to_dict())
@@ -88,6 +135,13 @@ def _generate(session, export_dir, prompts, max_new_tokens, sampling, stop, chat
             f"[dim]{st['new_tokens']} new tokens · TTFT {st['ttft_s'] * 1000:.0f} ms · "
             f"decode {st['decode_tokens_per_s']:.1f} tok/s · {session.threads} threads[/]"
         )
+        if "speculation" in st:
+            sp = st["speculation"]
+            err_console.print(
+                f"[dim]speculation ({sp['mode']}, k {sp['speculation_length']}): "
+                f"{sp['accepted']}/{sp['proposed']} draft tokens accepted "
+                f"({sp['acceptance_rate']:.0%}), {sp['tokens_per_call']:.2f} tokens per target call[/]"
+            )
 
 
 def load_tokenizer(export_dir: Path):

@@ -10,7 +10,7 @@ import contextlib
 import torch
 
 from nxdc.compile.buckets import Bucket
-from nxdc.model.decoder import ContextEncoding, Decoder, TokenGeneration
+from nxdc.model.decoder import ContextEncoding, Decoder, TokenGeneration, Verify
 from nxdc.model.layers import use_skinny_kernels
 from nxdc.model.parallel import shard_layout
 from nxdc.plan import ExportPlan
@@ -29,6 +29,7 @@ def meta_decoder(spec: ModelSpec, plan: ExportPlan) -> Decoder:
             plan.sequence_length,
             TORCH_DTYPES[plan.dtype],
             layout=shard_layout(spec, plan.tp),
+            weights=plan.weights,
         )
 
 
@@ -45,26 +46,33 @@ def wants_kernels(plan: ExportPlan) -> bool:
     return plan.device == "cpu" and plan.dtype == "fp32" and ensure_loaded()
 
 
-def graph_for(model: Decoder, bucket: Bucket) -> torch.nn.Module:
+def graph_for(model: Decoder, bucket: Bucket, speculation: int = 0) -> torch.nn.Module:
     if bucket.kind == "context":
         return ContextEncoding(model)
+    if bucket.kind == "verify":
+        return Verify(model, bucket.length, speculation)
     return TokenGeneration(model, bucket.length)
 
 
-def input_specs(bucket: Bucket, batch: int) -> list[tuple[str, tuple[int, ...]]]:
+def input_specs(bucket: Bucket, batch: int, speculation: int = 0) -> list[tuple[str, tuple[int, ...]]]:
     """The graph's inputs (all int64, contiguous): AOTInductor checks neither shapes nor
     strides at run time, so the runtime feeds exactly these."""
     if bucket.kind == "context":
         return [("input_ids", (batch, bucket.length)), ("last_index", (batch,))]
+    if bucket.kind == "verify":
+        return [("input_ids", (batch, speculation + 1)), ("start", (batch,))]
     return [("input_ids", (batch, 1)), ("positions", (batch,))]
 
 
-def trace(model: Decoder, bucket: Bucket, batch: int, device: str) -> torch.export.ExportedProgram:
+def trace(
+    model: Decoder, bucket: Bucket, batch: int, device: str, speculation: int = 0
+) -> torch.export.ExportedProgram:
     args = tuple(
-        torch.zeros(shape, dtype=torch.int64, device=device) for _, shape in input_specs(bucket, batch)
+        torch.zeros(shape, dtype=torch.int64, device=device)
+        for _, shape in input_specs(bucket, batch, speculation)
     )
     with torch.no_grad(), fake_process_group(model.tp):
-        return torch.export.export(graph_for(model, bucket), args, strict=False)
+        return torch.export.export(graph_for(model, bucket, speculation), args, strict=False)
 
 
 @contextlib.contextmanager

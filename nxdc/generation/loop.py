@@ -30,6 +30,7 @@ class GenerationResult:
     total_s: float = 0.0
     decode_steps: int = 0
     token_s: list[float] = field(default_factory=list)  # when each step's tokens were sampled, from start
+    speculation: dict | None = None  # acceptance statistics of a speculative run
 
     @property
     def inter_token_s(self) -> list[float]:
@@ -55,6 +56,7 @@ class GenerationResult:
                 "decode_s": round(self.decode_s, 4),
                 "decode_tokens_per_s": round(self.decode_tokens_per_s, 2),
                 "total_s": round(self.total_s, 4),
+                **({"speculation": self.speculation} if self.speculation else {}),
             },
         }
 
@@ -75,6 +77,103 @@ def encode_prompts(tokenizer, prompts: list[str], chat: bool) -> list[list[int]]
     return [list(tokenizer(p)["input_ids"]) for p in prompts]
 
 
+class Outputs:
+    """Per-sequence bookkeeping shared by plain and speculative decoding: append a token, apply
+    EOS / stop strings / length limits, stream the first sequence's text."""
+
+    def __init__(self, tokenizer, ids, max_new_tokens, max_seq, eos, stops, on_text):
+        self.tokenizer, self.ids, self.max_new, self.max_seq = tokenizer, ids, max_new_tokens, max_seq
+        self.eos, self.stops, self.on_text = eos, stops, on_text
+        n = len(ids)
+        self.lengths = [len(p) for p in ids]
+        self.out: list[list[int]] = [[] for _ in range(n)]
+        self.texts = [""] * n
+        self.reasons: list[str | None] = [None] * n
+        self.streamed = 0
+
+    @property
+    def n(self) -> int:
+        return len(self.ids)
+
+    def active(self, i: int) -> bool:
+        return self.reasons[i] is None
+
+    @property
+    def done(self) -> bool:
+        return all(self.reasons)
+
+    def context(self, i: int) -> list[int]:
+        return self.ids[i] + self.out[i]
+
+    def position(self, i: int) -> int:
+        """Cache position of sequence ``i``'s newest token (the next one a graph call feeds)."""
+        return self.lengths[i] + len(self.out[i]) - 1
+
+    def push(self, i: int, tok: int) -> bool:
+        """Append ``tok`` to sequence ``i``; False once the sequence has finished."""
+        if self.reasons[i]:
+            return False
+        if tok in self.eos:
+            self.reasons[i] = "eos"
+            return False
+        self.out[i].append(tok)
+        stops = self.stops
+        if stops or (self.on_text and i == 0):
+            prev = len(self.texts[i])
+            self.texts[i] = self.tokenizer.decode(self.out[i], skip_special_tokens=True)
+            cut = find_stop(self.texts[i], stops, prev - max((len(s) for s in stops), default=0))
+            if cut is not None:
+                self.texts[i] = self.texts[i][:cut]
+                self.reasons[i] = "stop"
+        if not self.reasons[i] and len(self.out[i]) >= self.max_new:
+            self.reasons[i] = "length"
+        elif not self.reasons[i] and self.lengths[i] + len(self.out[i]) >= self.max_seq:
+            self.reasons[i] = "max_seq"
+        return self.reasons[i] is None
+
+    def flush(self) -> None:
+        """Stream the first sequence's settled text: hold back a trailing partial UTF-8
+        character and any text a stop string may still claim."""
+        if not self.on_text or not self.n:
+            return
+        text, done = self.texts[0], self.reasons[0] is not None
+        upto = len(text) - (0 if done else max((len(s) for s in self.stops), default=0))
+        if text.endswith("\ufffd") and not done:
+            upto = min(upto, len(text) - 1)
+        if upto > self.streamed:
+            self.on_text(text[self.streamed : upto])
+            self.streamed = upto
+
+    def results(self, prompts: list[str]) -> list[SequenceResult]:
+        def text(i: int) -> str:  # texts[] is kept up to date only where stops or streaming need it
+            if self.stops or (self.on_text and i == 0):
+                return self.texts[i]
+            return self.tokenizer.decode(self.out[i], skip_special_tokens=True)
+
+        return [
+            SequenceResult(
+                prompts[i],
+                text(i),
+                self.lengths[i],
+                self.out[i],
+                self.reasons[i] or "length",
+            )
+            for i in range(self.n)
+        ]
+
+
+def decode_step(session, outs: Outputs, sampler: Sampler) -> None:
+    """One plain decode step: every active sequence's newest token in, one new token each out."""
+    tokens = torch.zeros(session.batch_size, dtype=torch.int64)
+    positions = torch.zeros(session.batch_size, dtype=torch.int64)
+    for i in range(outs.n):
+        if outs.active(i):
+            tokens[i], positions[i] = outs.out[i][-1], outs.position(i)
+    nxt = sampler(session.decode(tokens, positions)[: outs.n])
+    for i in range(outs.n):
+        outs.push(i, int(nxt[i]))
+
+
 def generate(
     session,
     tokenizer,
@@ -86,9 +185,11 @@ def generate(
     on_text: Callable[[str], None] | None = None,
     eos_ids: set[int] | None = None,
     prompt_ids: list[list[int]] | None = None,
+    speculator=None,
 ) -> GenerationResult:
     """Generate for up to ``session.batch_size`` prompts at once. ``on_text`` streams the
-    first sequence's new text as it is produced."""
+    first sequence's new text as it is produced; ``speculator``
+    (``nxdc.generation.speculative.Speculator``) drafts several tokens per target call."""
     if max_new_tokens < 1:
         raise UserInputError(f"--max-new-tokens must be >= 1 (got {max_new_tokens})")
     if len(prompts) > session.batch_size:
@@ -97,74 +198,34 @@ def generate(
             f"re-export with --batch-size {len(prompts)} or pass fewer prompts"
         )
     sampler = Sampler(sampling or SamplingParams())
-    stops = list(stop or [])
     eos = set(eos_ids if eos_ids is not None else session.spec.eos_token_ids)
     if tokenizer.eos_token_id is not None and eos_ids is None:
         eos.add(int(tokenizer.eos_token_id))
     ids = prompt_ids if prompt_ids is not None else encode_prompts(tokenizer, prompts, chat)
-    n = len(ids)
-    lengths = [len(p) for p in ids]
+    outs = Outputs(tokenizer, ids, max_new_tokens, session.max_seq, eos, list(stop or []), on_text)
+    res = GenerationResult()
     t0 = time.perf_counter()
     logits = session.prefill(ids)
-    out: list[list[int]] = [[] for _ in range(n)]
-    texts = [""] * n
-    reasons: list[str | None] = [None] * n
-    streamed = 0
-    tokens = torch.zeros(session.batch_size, dtype=torch.int64)
-    positions = torch.zeros(session.batch_size, dtype=torch.int64)
-    res = GenerationResult()
-    step = 0
-    while True:
-        nxt = sampler(logits[:n])
+    if speculator is not None:
+        speculator.start(ids)
+    for i, tok in enumerate(sampler(logits[: outs.n]).tolist()):
+        outs.push(i, tok)
+    res.ttft_s = time.perf_counter() - t0
+    res.token_s.append(res.ttft_s)
+    t_decode = time.perf_counter()
+    outs.flush()
+    while not outs.done:
+        if speculator is not None:
+            speculator.step(session, outs, sampler)
+        else:
+            decode_step(session, outs, sampler)
         res.token_s.append(time.perf_counter() - t0)
-        if step == 0:
-            res.ttft_s = time.perf_counter() - t0
-            t_decode = time.perf_counter()
-        for i in range(n):
-            if reasons[i]:
-                continue
-            tok = int(nxt[i])
-            if tok in eos:
-                reasons[i] = "eos"
-                continue
-            out[i].append(tok)
-            if stops or (on_text and i == 0):
-                prev = len(texts[i])
-                texts[i] = tokenizer.decode(out[i], skip_special_tokens=True)
-                cut = find_stop(texts[i], stops, prev - max((len(s) for s in stops), default=0))
-                if cut is not None:
-                    texts[i] = texts[i][:cut]
-                    reasons[i] = "stop"
-            if not reasons[i] and len(out[i]) >= max_new_tokens:
-                reasons[i] = "length"
-            elif not reasons[i] and lengths[i] + len(out[i]) >= session.max_seq:
-                reasons[i] = "max_seq"
-        if on_text and n:
-            # hold back a trailing partial UTF-8 character and any text a stop string may still claim
-            hold = 0 if reasons[0] else max((len(s) for s in stops), default=0)
-            upto = len(texts[0]) - hold
-            if texts[0].endswith("\ufffd") and not reasons[0]:
-                upto = min(upto, len(texts[0]) - 1)
-            if upto > streamed:
-                on_text(texts[0][streamed:upto])
-                streamed = upto
-        if all(reasons):
-            break
-        for i in range(session.batch_size):
-            if i < n and not reasons[i]:
-                tokens[i] = out[i][-1]
-                positions[i] = lengths[i] + len(out[i]) - 1
-        logits = session.decode(tokens, positions)
-        step += 1
+        res.decode_steps += 1
+        outs.flush()
     end = time.perf_counter()
     res.decode_s = end - t_decode
     res.total_s = end - t0
-    res.decode_steps = step
-    for i in range(n):
-        text = (
-            texts[i]
-            if (stops or (on_text and i == 0))
-            else tokenizer.decode(out[i], skip_special_tokens=True)
-        )
-        res.sequences.append(SequenceResult(prompts[i], text, lengths[i], out[i], reasons[i] or "length"))
+    res.sequences = outs.results(prompts)
+    if speculator is not None:
+        res.speculation = speculator.stats.to_dict()
     return res

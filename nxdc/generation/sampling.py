@@ -56,5 +56,14 @@ class Sampler:
         logits = logits.float().cpu()
         if not self.params.do_sample:
             return logits.argmax(-1)
-        probs = filter_logits(logits, self.params).softmax(-1)
+        return self.draw(self.probs(logits))
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """The distribution sampling draws from: filtered, softmaxed, fp32 on the CPU."""
+        return filter_logits(logits.float().cpu(), self.params).softmax(-1)
+
+    def draw(self, probs: torch.Tensor) -> torch.Tensor:
         return torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
+
+    def uniform(self) -> float:
+        return float(torch.rand((), generator=self.generator))

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nxdc.model.layers import Linear, apply_rope
+from nxdc.model.layers import Linear, RMSNorm, apply_rope
 from nxdc.model.parallel import ShardLayout, all_reduce
 from nxdc.spec import ModelSpec
 
@@ -29,10 +29,15 @@ class Attention(nn.Module):
         self.tp = layout.tp
         self.max_seq = max_seq
         h, d, b = spec.hidden_size, spec.head_dim, spec.attention_bias
-        self.q_proj = Linear(h, self.n_heads * d, b, dtype, device)
-        self.k_proj = Linear(h, self.n_kv * d, b, dtype, device)
-        self.v_proj = Linear(h, self.n_kv * d, b, dtype, device)
+        self.splits = (self.n_heads * d, self.n_kv * d, self.n_kv * d)
+        qkv_bias = b or spec.qkv_bias  # Qwen2: q/k/v biases, no o bias
+        self.qkv_proj = Linear(h, sum(self.splits), qkv_bias, dtype, device)  # q, k, v rows (model/fused.py)
         self.o_proj = Linear(self.n_heads * d, h, b, dtype, device)
+        if spec.qk_norm:  # Qwen3: RMSNorm over head_dim of every q and k head, before RoPE
+            self.q_norm = RMSNorm(d, spec.rms_norm_eps, dtype, device)
+            self.k_norm = RMSNorm(d, spec.rms_norm_eps, dtype, device)
+        else:
+            self.q_norm = self.k_norm = None
         shape = (batch, self.n_kv, max_seq, d)
         self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=True)
         self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=True)
@@ -55,9 +60,12 @@ class Attention(nn.Module):
         bsz, t, _ = x.shape
         d, n_kv = self.head_dim, self.n_kv
         group = self.n_heads // n_kv
-        q = self.q_proj(x).view(bsz, t, self.n_heads, d).transpose(1, 2)
-        k = self.k_proj(x).view(bsz, t, n_kv, d).transpose(1, 2)
-        v = self.v_proj(x).view(bsz, t, n_kv, d).transpose(1, 2)
+        q, k, v = self.qkv_proj(x).split(self.splits, dim=-1)
+        q = q.view(bsz, t, self.n_heads, d).transpose(1, 2)
+        k = k.view(bsz, t, n_kv, d).transpose(1, 2)
+        v = v.view(bsz, t, n_kv, d).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
         self._write(self.k_cache, k, positions)

@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from nxdc.model.attention import Attention
-from nxdc.model.layers import MLP, Linear, RMSNorm, rope_tables
+from nxdc.model.layers import MLP, Embedding, Linear, RMSNorm, rope_tables
+from nxdc.model.moe import MoE
 from nxdc.model.parallel import ShardLayout, all_gather_last, all_reduce, shard_layout
 from nxdc.spec import ModelSpec
 
@@ -23,7 +24,10 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
         self.self_attn = Attention(spec, layout, batch, max_seq, dtype, device)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
-        self.mlp = MLP(spec, dtype, device, intermediate=layout.intermediate)
+        if spec.is_moe:  # sparse experts in place of the MLP (same name, same all-reduce)
+            self.mlp = MoE(spec, layout, dtype, device)
+        else:
+            self.mlp = MLP(spec, dtype, device, intermediate=layout.intermediate)
 
     def forward(self, h, cos, sin, positions, mask, kv_len):
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, positions, mask, kv_len)
@@ -42,23 +46,32 @@ class Decoder(nn.Module):
         dtype: torch.dtype,
         device=None,
         layout: ShardLayout | None = None,
+        weights: str | None = None,
     ):
         super().__init__()
         layout = layout or shard_layout(spec, 1)
         self.spec, self.batch, self.max_seq, self.tp = spec, batch, max_seq, layout.tp
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device)
+        self.embed_tokens = Embedding(spec.vocab_size, spec.hidden_size, dtype, device)
         self.layers = nn.ModuleList(
             DecoderLayer(spec, layout, batch, max_seq, dtype, device) for _ in range(spec.num_layers)
         )
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
         self.lm_head = Linear(spec.hidden_size, layout.vocab, False, dtype, device)
+        if weights is not None:  # --weights fp16 | bf16 | int8: stored formats (norms, routers: dtype)
+            for name, m in self.named_modules():
+                if isinstance(m, (Linear, Embedding)) and not name.endswith("router"):
+                    m.store_as(weights)
         if spec.tie_word_embeddings and layout.tp == 1:
             self.lm_head.weight = self.embed_tokens.weight
+            if weights == "int8":
+                self.lm_head.scale = self.embed_tokens.scale
         cos, sin = rope_tables(spec, max_seq)
         self.register_buffer("rope_cos", cos.to(device), persistent=False)
         self.register_buffer("rope_sin", sin.to(device), persistent=False)
         if layout.tp > 1:  # this rank's index, bound per rank at run time (all_gather_last)
-            self.register_buffer("tp_rank", torch.zeros(1, dtype=torch.int64, device=device), persistent=False)
+            self.register_buffer(
+                "tp_rank", torch.zeros(1, dtype=torch.int64, device=device), persistent=False
+            )
 
     def forward(
         self,
@@ -66,14 +79,17 @@ class Decoder(nn.Module):
         positions: torch.Tensor,  # [B, T]
         mask: torch.Tensor,  # bool [B or 1, 1, T, S_attended]
         kv_len: int | None,
-        last_index: torch.Tensor | None,  # [B]: which of the T positions to score
+        last_index: torch.Tensor | None,  # [B]: which of the T positions to score (None: the last)
+        every_position: bool = False,  # score all T positions: logits [B, T, vocab]
     ) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
         cos = self.rope_cos[positions].to(h.dtype).unsqueeze(1)
         sin = self.rope_sin[positions].to(h.dtype).unsqueeze(1)
         for layer in self.layers:
             h = layer(h, cos, sin, positions, mask, kv_len)
-        if last_index is None:
+        if every_position:
+            pass
+        elif last_index is None:
             h = h[:, -1]
         else:
             h = h[torch.arange(h.shape[0], device=h.device), last_index]
@@ -109,3 +125,22 @@ class TokenGeneration(nn.Module):
         slots = torch.arange(self.kv_len, device=input_ids.device)
         mask = slots.view(1, 1, 1, -1) <= positions.view(-1, 1, 1, 1)
         return self.model(input_ids, positions.view(-1, 1), mask, self.kv_len, None)
+
+
+class Verify(nn.Module):
+    """Speculation's verify graph: ``k + 1`` tokens per sequence (the last accepted token and
+    ``k`` draft tokens) at consecutive positions from ``start``, attending to ``kv_len`` cache
+    slots, scored at every position: logits [B, k + 1, vocab]. It writes their keys/values into
+    the cache; slots past a rejected draft token are never read (the mask only reaches a
+    query's own position) and the next call overwrites them."""
+
+    def __init__(self, model: Decoder, kv_len: int, k: int):
+        super().__init__()
+        self.model = model
+        self.kv_len, self.k = kv_len, k
+
+    def forward(self, input_ids: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+        positions = start.view(-1, 1) + torch.arange(self.k + 1, device=input_ids.device).view(1, -1)
+        slots = torch.arange(self.kv_len, device=input_ids.device)
+        mask = (slots.view(1, 1, -1) <= positions.unsqueeze(-1)).unsqueeze(1)  # [B, 1, k+1, S]
+        return self.model(input_ids, positions, mask, self.kv_len, None, every_position=True)

@@ -26,26 +26,79 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(dtype)
 
 
+# Reduced-precision weight storage (``--weights``, docs/weights.md): torch dtype, nxdc kernel op.
+STORED = {"fp16": torch.float16, "bf16": torch.bfloat16, "int8": torch.int8}
+LOWP_OPS = {"fp16": "linear_f16", "bf16": "linear_bf16", "int8": "linear_i8"}
+
+
 class Linear(nn.Module):
     """``nn.Linear``'s parameters (``weight [out, in]``, optional ``bias``) with a choice of
-    kernel: when ``skinny`` is set (fp32 on CPU, decided at export) and the input has at most
-    ``MAX_ROWS`` rows — a decode step — it calls nxdc's memory-bound matvec kernel."""
+    kernel: when ``skinny`` is set (nxdc's CPU kernels are in use, decided at export) and the
+    input has at most ``MAX_ROWS`` rows — a decode step — it calls nxdc's memory-bound matvec.
+
+    ``store_as("fp16" | "bf16" | "int8")`` keeps the weight in that format (int8: symmetric,
+    plus an fp32 ``scale`` per output row); activations, bias and accumulation stay in the
+    compute dtype. With the kernels, every call reads the stored weight directly (prefill too);
+    without them (CUDA, CPUs without AVX2) it is converted per call and PyTorch's matmul runs."""
 
     skinny = False  # set per instance by the exporter / runtime builder
+    stored: str | None = None  # None: the weight is in the compute dtype
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype, device=None):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device))
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)) if bias else None
 
+    def store_as(self, fmt: str) -> None:
+        self.stored = fmt
+        w = self.weight
+        self.weight = nn.Parameter(
+            torch.empty(w.shape, dtype=STORED[fmt], device=w.device), requires_grad=False
+        )
+        if fmt == "int8":
+            self.scale = nn.Parameter(torch.empty(w.shape[0], dtype=torch.float32, device=w.device))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         k = x.shape[-1]
         rows = x.numel() // k
+        if self.stored is not None:
+            y = self._reduced(x.reshape(rows, k)).view(*x.shape[:-1], self.weight.shape[0])
+            return y + self.bias if self.bias is not None else y
         if self.skinny and rows <= MAX_ROWS and x.dtype == torch.float32 and k % 8 == 0:
             y = torch.ops.nxdc.skinny_linear(x.reshape(rows, k), self.weight)
             y = y.view(*x.shape[:-1], self.weight.shape[0])
             return y + self.bias if self.bias is not None else y
         return F.linear(x, self.weight, self.bias)
+
+    def _reduced(self, x: torch.Tensor) -> torch.Tensor:
+        op = LOWP_OPS[self.stored]
+        if self.skinny:
+            args = (x, self.weight, self.scale) if self.stored == "int8" else (x, self.weight)
+            return getattr(torch.ops.nxdc, op)(*args)
+        w = self.weight.to(x.dtype)
+        if self.stored == "int8":
+            w = w * self.scale.to(x.dtype).unsqueeze(1)
+        return F.linear(x, w)
+
+
+class Embedding(nn.Module):
+    """``nn.Embedding`` whose table may be stored like a ``Linear``'s weight (a tied lm_head
+    shares it): a lookup converts only the rows it reads."""
+
+    stored: str | None = None
+
+    def __init__(self, num: int, dim: int, dtype, device=None):
+        super().__init__()
+        self.dtype = dtype
+        self.weight = nn.Parameter(torch.empty(num, dim, dtype=dtype, device=device))
+
+    store_as = Linear.store_as
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = F.embedding(ids, self.weight).to(self.dtype)
+        if self.stored == "int8":
+            h = h * self.scale[ids].unsqueeze(-1).to(self.dtype)
+        return h
 
 
 def use_skinny_kernels(model: nn.Module, enabled: bool = True) -> None:
@@ -55,19 +108,20 @@ def use_skinny_kernels(model: nn.Module, enabled: bool = True) -> None:
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)); ``intermediate`` is this rank's share under tensor
-    parallelism (the caller all-reduces the output)."""
+    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up as one matrix (``model/fused.py``);
+    ``intermediate`` is this rank's share under tensor parallelism (the caller all-reduces the
+    output)."""
 
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, device=None, intermediate: int | None = None):
         super().__init__()
         h, b = spec.hidden_size, spec.mlp_bias
         i = intermediate or spec.intermediate_size
-        self.gate_proj = Linear(h, i, b, dtype, device)
-        self.up_proj = Linear(h, i, b, dtype, device)
+        self.gate_up_proj = Linear(h, 2 * i, b, dtype, device)
         self.down_proj = Linear(i, h, b, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 def inv_freq(rope: RopeSpec, head_dim: int) -> torch.Tensor:

@@ -113,6 +113,9 @@ class Session:
         if self.spec.tie_word_embeddings:
             embed = consts[PREFIX + "embed_tokens.weight"]
             consts[PREFIX + "lm_head.weight"] = tied_lm_head(embed, self.layout, self.rank)
+            if PREFIX + "embed_tokens.scale" in consts:  # --weights int8: the rows' scales too
+                scale = consts[PREFIX + "embed_tokens.scale"]
+                consts[PREFIX + "lm_head.scale"] = tied_lm_head(scale, self.layout, self.rank)
         cos, sin = rope_tables(self.spec, self.plan.sequence_length)
         consts[PREFIX + "rope_cos"], consts[PREFIX + "rope_sin"] = cos.to(self.device), sin.to(self.device)
         if self.plan.tp > 1:
@@ -156,6 +159,17 @@ class Session:
         """One token per sequence at its own cache position -> logits [batch, vocab]."""
         bucket = pick_decode_bucket(self.plan.decode, int(positions.max()))
         return self.call(bucket.name, tokens.view(-1, 1), positions)
+
+    @property
+    def speculation_length(self) -> int:
+        """K of the export's verify graphs (0: the export cannot verify draft tokens)."""
+        return self.plan.speculation_length
+
+    def verify(self, tokens: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+        """``tokens`` [batch, K+1] at positions start..start+K -> logits [batch, K+1, vocab]."""
+        k = self.speculation_length
+        bucket = pick_decode_bucket(self.plan.verify, int(start.max()) + k)
+        return self.call(bucket.name, tokens, start)
 
     def call(self, name: str, *inputs: torch.Tensor) -> torch.Tensor:
         if self.announce is not None:

@@ -119,10 +119,9 @@ class GGUFTensor:
 
 
 def iter_gguf(path: Path, spec) -> Iterator[tuple[str, GGUFTensor]]:
-    from gguf import GGUFReader
+    from nxdc.weights.gguf_index import read_index
 
-    reader = GGUFReader(path)
-    for t in reader.tensors:
+    for t in read_index(path):  # the tensor table only: ~0.03 s where GGUFReader takes seconds
         name = hf_name(t.name)
         if name is None:
             continue

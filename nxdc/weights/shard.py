@@ -2,8 +2,9 @@
 
 Sources hand out ``LazyTensor``s; row-sharded weights (q/k/v/gate/up/lm_head) read only the
 row range their rank needs (safetensors ``get_slice``, GGUF quantized rows), column-sharded
-ones (o/down) read the tensor once and keep their columns. Padding (heads, MLP columns,
-vocabulary rows that the layout adds) is zeros, which adds exactly 0 to every output."""
+ones (o/down) read the tensor once and keep their columns. MoE experts shard like the MLP,
+each expert over its own intermediate size; the router is replicated. Padding (heads, MLP
+columns, vocabulary rows that the layout adds) is zeros, which adds exactly 0 to every output."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Protocol
 
 import torch
 
+from nxdc.model.moe import expert_intermediate
 from nxdc.model.parallel import ShardLayout
 from nxdc.spec import ModelSpec
 
@@ -76,6 +78,12 @@ def rank_tensor(name: str, t: LazyTensor, spec: ModelSpec, layout: ShardLayout, 
     d = spec.head_dim
     module, _, kind = name.rpartition(".")
     leaf = module.rpartition(".")[2]
+    if ".experts." in name:  # one expert's part: sharded over the expert intermediate size
+        per = expert_intermediate(spec, layout.tp)
+        if leaf in ("gate_proj", "up_proj"):
+            return _rows_range(t, rank, per)
+        if leaf == "down_proj":
+            return _cols_range(t.read(), rank, per)
     if leaf == "q_proj":
         return _rows_by_heads(t, layout.q_heads[rank], d)
     if leaf in ("k_proj", "v_proj"):
@@ -100,6 +108,6 @@ def tied_lm_head(embed: torch.Tensor, layout: ShardLayout, rank: int) -> torch.T
     a, b = min(rank * per, embed.shape[0]), min((rank + 1) * per, embed.shape[0])
     if b - a == per:
         return embed[a:b]
-    out = embed.new_zeros((per, embed.shape[1]))
+    out = embed.new_zeros((per, *embed.shape[1:]))  # also the int8 scale [vocab]
     out[: b - a] = embed[a:b]
     return out

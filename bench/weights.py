@@ -1,0 +1,78 @@
+"""Weight formats side by side (the README's `--weights` table and docs/weights.md): SmolLM2
+exported with fp32 / fp16 / bf16 / int8 weights at batch 1 and 8, decode measured in one
+`nxdc bench` run (interleaved, same process), accuracy against fp32 on the fixed text.
+
+    .venv/bin/python bench/weights.py [--new-tokens 96] [--runs 3]
+
+Writes docs/bench-weights.json and prints a Markdown table."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+FORMATS = ["fp32", "fp16", "bf16", "int8"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--new-tokens", type=int, default=96)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--batch-sizes", default="1,8")
+    args = ap.parse_args()
+
+    from nxdc.accuracy import measure_formats
+    from nxdc.bench.runner import run_bench
+    from nxdc.export import run_export
+    from nxdc.plan import ExportOptions
+
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    dirs = {}
+    for w in FORMATS:
+        for b in batches:
+            d = ROOT / "bench" / "exports" / f"weights-{w}-b{b}"
+            opts = ExportOptions(batch_size=b, sequence_length=256, context_buckets=(128,), weights=w)
+            run_export("smollm2-135m", d, opts)
+            dirs[(w, b)] = d
+    acc = {
+        r["weights"]: r
+        for r in measure_formats("smollm2-135m", ExportOptions(sequence_length=512), FORMATS[1:])
+    }
+    res = run_bench(
+        list(dirs.values()),
+        prompt_lengths=[128],
+        new_tokens=args.new_tokens,
+        runs=args.runs,
+        progress=lambda m: print(m, file=sys.stderr),
+    )
+    rate = {}
+    for row, key in zip(res["rows"], dirs, strict=True):
+        rate[key] = row
+    out = {"machine": res["machine"], "accuracy": acc, "rows": {f"{w}-b{b}": r for (w, b), r in rate.items()}}
+    (ROOT / "docs" / "bench-weights.json").write_text(json.dumps(out, indent=1))
+    b1, b8 = batches[0], batches[-1]
+    print(
+        f"| weights | file MB | decode tok/s b{b1} | roofline b{b1} | tok/s b{b8} | b{b8} ÷ b{b1} | top-1 vs fp32 | perplexity Δ | max logit err |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for w in FORMATS:
+        r1, r8 = rate[(w, b1)], rate[(w, b8)]
+        mb = (dirs[(w, b1)] / "weights" / "rank0.safetensors").stat().st_size / 1e6
+        a = acc.get(w)
+        accs = (
+            f"{a['top1_agreement']:.1%} | {a['perplexity_ratio'] - 1:+.2%} | {a['max_abs_logit_error']:.3g}"
+            if a
+            else "– | – | –"
+        )
+        print(
+            f"| {w} | {mb:.0f} | {r1['decode_tokens_per_s']:.1f} | {r1['fraction_of_read_roofline']:.0%} | {r8['decode_tokens_per_s']:.1f} | "
+            f"{r8['decode_tokens_per_s'] / r1['decode_tokens_per_s']:.1f}× | {accs} |"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,234 @@
+"""Reduced-precision weights (``--weights fp16 | bf16 | int8``): the model reads them through
+nxdc's kernels, stays within its accuracy budget against fp32 weights, and the compiled,
+exported path (tp 1 and tp 2) matches the eager one."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from nxdc.cli.main import app
+from nxdc.export import stored_tensors
+from nxdc.kernels import ensure_loaded
+from nxdc.model.layers import Linear, use_skinny_kernels
+
+FORMATS = ["fp16", "bf16", "int8"]
+# tiny random model (logits ~1): max abs logit error vs fp32 weights
+TINY_TOL = {"fp16": 2e-3, "bf16": 2e-2, "int8": 1e-1}  # int8 step = max|w|/127 per row
+
+
+def _tiny_models(fmt: str, kernels: bool):
+    from test_parity_eager import build
+
+    _, ref = build("gqa", torch.float32, batch=1, max_seq=32)
+    from nxdc.model.decoder import Decoder
+
+    low = Decoder(ref.spec, 1, 32, torch.float32, weights=fmt).eval()
+    state = {}
+    meta = low.state_dict()
+    for name, t in ref.state_dict().items():
+        if name.endswith("_cache"):
+            continue
+        state.update(stored_tensors(name, t, meta[name].dtype))
+    low.load_state_dict(state, strict=False)
+    use_skinny_kernels(low, kernels)
+    use_skinny_kernels(ref, kernels)
+    return ref, low
+
+
+def _prefill_logits(model, t: int = 12) -> torch.Tensor:
+    torch.manual_seed(3)
+    ids = torch.randint(3, 256, (1, t))
+    pos = torch.arange(t)
+    mask = (pos.view(1, t) <= pos.view(t, 1)).view(1, 1, t, t)
+    with torch.no_grad():
+        return model(ids, pos.view(1, t), mask, None, None, every_position=True)
+
+
+@pytest.mark.parametrize("kernels", [True, False], ids=["nxdc-kernels", "pytorch"])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_reduced_weights_stay_close_to_fp32_tiny(fmt, kernels):
+    if kernels and not ensure_loaded():
+        pytest.skip("nxdc CPU kernels unavailable on this machine")
+    ref, low = _tiny_models(fmt, kernels)
+    lin = low.layers[0].self_attn.qkv_proj
+    assert (
+        isinstance(lin, Linear)
+        and lin.weight.dtype == {"fp16": torch.float16, "bf16": torch.bfloat16, "int8": torch.int8}[fmt]
+    )
+    err = float((_prefill_logits(ref) - _prefill_logits(low)).abs().max())
+    assert 0 < err < TINY_TOL[fmt], err  # > 0: the format really is in use
+
+
+def test_kernel_and_pytorch_paths_agree_tiny():
+    """The kernels read the stored weights; PyTorch's path converts them per call: same math."""
+    for fmt in FORMATS:
+        if not ensure_loaded():
+            pytest.skip("nxdc CPU kernels unavailable on this machine")
+        a = _prefill_logits(_tiny_models(fmt, True)[1])
+        b = _prefill_logits(_tiny_models(fmt, False)[1])
+        assert float((a - b).abs().max()) < 1e-4, fmt
+
+
+@pytest.mark.slow
+def test_smollm2_accuracy_budget():
+    """The issue's budget, on the fixed evaluation text: fp16/bf16 within a logit tolerance and
+    near-perfect top-1 agreement; int8 top-1 >= 95% and perplexity within 2% of fp32."""
+    from nxdc.accuracy import measure_formats
+    from nxdc.plan import ExportOptions
+
+    res = {
+        r["weights"]: r for r in measure_formats("smollm2-135m", ExportOptions(sequence_length=512), FORMATS)
+    }
+    print(json.dumps(res, indent=1))
+    assert res["fp16"]["max_abs_logit_error"] < 0.1 and res["fp16"]["top1_agreement"] >= 0.99
+    assert res["bf16"]["max_abs_logit_error"] < 1.0 and res["bf16"]["top1_agreement"] >= 0.97
+    assert res["int8"]["top1_agreement"] >= 0.95
+    assert abs(res["int8"]["perplexity_ratio"] - 1) <= 0.02
+    for r in res.values():
+        assert r["tokens"] > 200 and r["max_abs_logit_error"] > 0
+
+
+@pytest.fixture(scope="session")
+def smollm2_int8_export(cache_dir, tmp_path_factory):
+    from nxdc.export import run_export
+    from nxdc.plan import ExportOptions
+
+    out = tmp_path_factory.mktemp("exports") / "smollm2-int8"
+    opts = ExportOptions(batch_size=1, sequence_length=128, context_buckets=(64,), weights="int8")
+    run_export("smollm2-135m", out, opts)
+    return out
+
+
+@pytest.mark.slow
+def test_smollm2_int8_export_matches_eager_int8(smollm2_int8_export, smollm2_export):
+    """The compiled int8 graphs compute what the eager int8 model computes (the accuracy
+    budget above is measured eagerly), the file holds int8, and greedy text stays close to
+    fp32's (reported, not asserted token for token: int8 may take the other side of a near-tie)."""
+    from parity import max_error, nxdc_logits
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+    from test_smollm2 import PROMPTS
+    from transformers import AutoTokenizer
+
+    from nxdc.generation.loop import encode_prompts, generate
+    from nxdc.model.decoder import Decoder
+    from nxdc.runtime.session import Session
+
+    d = smollm2_int8_export
+    assert json.loads((d / "nxdc.json").read_text())["plan"]["weights"] == "int8"
+    with safe_open(str(d / "weights" / "rank0.safetensors"), "pt") as f:
+        assert f.get_slice("layers.0.mlp.gate_up_proj.weight").get_dtype() == "I8"
+        assert "layers.0.mlp.gate_up_proj.scale" in f.keys()
+    size = lambda e: (e / "weights" / "rank0.safetensors").stat().st_size  # noqa: E731
+    assert size(d) < 0.3 * size(smollm2_export)
+
+    sess = Session(d)
+    tok = AutoTokenizer.from_pretrained(d)
+    ids = torch.tensor([encode_prompts(tok, [PROMPTS[0]], chat=True)[0] + [504, 3458, 282, 4649, 314]])
+    n = ids.shape[1] - 5
+    eager = Decoder(sess.spec, 1, 128, torch.float32, weights="int8").eval()
+    state = load_file(str(d / "weights" / "rank0.safetensors"))
+    state["lm_head.weight"], state["lm_head.scale"] = (
+        state["embed_tokens.weight"],
+        state["embed_tokens.scale"],
+    )
+    eager.load_state_dict(state, strict=False)
+    use_skinny_kernels(eager, ensure_loaded())
+    assert (
+        max_error(_prefill_logits_of(eager, ids), nxdc_logits(sess.prefill, sess.decode, ids, [n]), [n])
+        < 2e-3
+    )
+
+    ref = Session(smollm2_export)
+    agree = total = 0
+    for p in PROMPTS:
+        a = generate(sess, tok, [p], max_new_tokens=24, chat=True, eos_ids=set()).sequences[0].token_ids
+        b = generate(ref, tok, [p], max_new_tokens=24, chat=True, eos_ids=set()).sequences[0].token_ids
+        agree += next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
+        total += len(a)
+    print(f"int8 greedy: {agree}/{total} tokens before the first divergence from fp32")
+    assert agree > 0
+
+
+def _prefill_logits_of(model, ids: torch.Tensor) -> torch.Tensor:
+    t = ids.shape[1]
+    pos = torch.arange(t)
+    mask = (pos.view(1, t) <= pos.view(t, 1)).view(1, 1, t, t)
+    with torch.no_grad():
+        return model(ids, pos.view(1, t), mask, None, None, every_position=True)
+
+
+def test_weights_option_validation(tiny_gqa, tmp_path):
+    r = CliRunner()
+    bad = r.invoke(
+        app, ["export", str(tiny_gqa), "-o", str(tmp_path / "x"), "--weights", "int4", "--dry-run"]
+    )
+    assert bad.exit_code != 0 and "--weights must be one of" in bad.output
+    mixed = r.invoke(
+        app,
+        [
+            "export",
+            str(tiny_gqa),
+            "-o",
+            str(tmp_path / "x"),
+            "--weights",
+            "int8",
+            "--dtype",
+            "bf16",
+            "--dry-run",
+        ],
+    )
+    assert mixed.exit_code != 0 and "needs --dtype fp32" in mixed.output
+    noweights = r.invoke(app, ["export", str(tiny_gqa), "-o", str(tmp_path / "x"), "--check-accuracy"])
+    assert noweights.exit_code != 0 and "pass --weights" in noweights.output
+    ok = r.invoke(
+        app, ["export", str(tiny_gqa), "-o", str(tmp_path / "x"), "--weights", "int8", "--dry-run", "--json"]
+    )
+    assert ok.exit_code == 0, ok.output
+    s = json.loads(ok.stdout)
+    fp32 = json.loads(
+        r.invoke(app, ["export", str(tiny_gqa), "-o", str(tmp_path / "x"), "--dry-run", "--json"]).stdout
+    )
+    assert s["plan"]["weights"] == "int8" and s["weight_bytes"] < 0.3 * fp32["weight_bytes"]
+
+
+def test_int8_weights_under_tp2_and_speculation(tiny_gqa, tiny_gqa_export, tmp_path_factory, cache_dir):
+    """int8 weights, quantised per rank after sharding, at tp 2 (worker processes): logits
+    stay within the int8 budget of fp32 tp 1, and prompt-lookup speculation on the same export
+    reproduces its plain greedy output."""
+    from parity import nxdc_logits
+    from tiny import tiny_tokenizer
+
+    from nxdc.export import run_export
+    from nxdc.generation.loop import generate
+    from nxdc.generation.speculative import PromptLookup, Speculator
+    from nxdc.plan import ExportOptions
+    from nxdc.runtime.session import Session
+    from nxdc.runtime.workers import open_session
+
+    out = tmp_path_factory.mktemp("exports") / "tiny-int8-tp2"
+    opts = dict(batch_size=2, sequence_length=64, context_buckets=(16,), decode_buckets=(64,))
+    run_export(str(tiny_gqa), out, ExportOptions(tp=2, weights="int8", speculation_length=2, **opts))
+    torch.manual_seed(5)
+    ids, lens = torch.randint(3, 256, (2, 24)), [9, 14]
+    ref = Session(tiny_gqa_export)
+    want = nxdc_logits(ref.prefill, ref.decode, ids, lens)
+    sess = open_session(out)
+    try:
+        got = nxdc_logits(sess.prefill, sess.decode, ids, lens)
+        err = max(float((a - b).abs().max()) for a, b in zip(want, got, strict=True))
+        assert 0 < err < TINY_TOL["int8"], err
+        prompts = ["w1 w2 w3 w4 w1 w2 w3", "w5 w6 w5 w6"]
+        tok = tiny_tokenizer()
+        plain = generate(sess, tok, prompts, max_new_tokens=30, eos_ids=set())
+        spec = generate(
+            sess, tok, prompts, 30, eos_ids=set(), speculator=Speculator(PromptLookup(3), 2, sess)
+        )
+        assert [s.token_ids for s in spec.sequences] == [s.token_ids for s in plain.sequences]
+        assert spec.speculation["accepted"] > 0
+    finally:
+        sess.close()
