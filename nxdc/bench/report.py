@@ -63,7 +63,13 @@ def table(result: dict) -> Table:
 
 
 def print_table(result: dict, console: Console) -> None:
-    console.print(table(result))
+    """The table at its natural width when the output is a log or a pipe (rich would otherwise
+    fold it into 80 columns of wrapped cells); a terminal keeps its own width."""
+    t = table(result)
+    if console.is_terminal:
+        console.print(t)
+    else:  # a table that is not expanded renders at its natural width, up to this
+        Console(file=console.file, width=max(console.width, 400), highlight=False).print(t)
 
 
 def plot(result: dict, path: Path) -> None:
