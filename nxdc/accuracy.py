@@ -46,8 +46,6 @@ def measure_formats(
 ) -> list[dict]:
     """``measure`` for several weight formats against one fp32 reference run."""
     from nxdc.export import prepare, write_weights
-    from nxdc.model.decoder import Decoder
-    from nxdc.model.layers import use_skinny_kernels
 
     opts = dataclasses.replace(opts, tp=1, batch_size=1, speculation_length=0, weights=None, dtype="fp32")
     src, _, spec, plan = prepare(model, opts, cache_root)
@@ -60,7 +58,7 @@ def measure_formats(
             p = dataclasses.replace(plan, weights=None if fmt == "fp32" else fmt)
             path = Path(tmp) / f"{fmt}.safetensors"
             write_weights(src, spec, p, 0, path)
-            got = _logits(spec, p, path, ids, Decoder, use_skinny_kernels)
+            got = _logits(spec, p, path, ids)
             path.unlink()
             if ref is None:
                 ref = got
@@ -90,10 +88,12 @@ def _tokens(src, text: str, limit: int) -> torch.Tensor:
     return torch.tensor([ids], dtype=torch.int64)
 
 
-def _logits(spec, plan, path: Path, ids: torch.Tensor, Decoder, use_skinny_kernels) -> torch.Tensor:
+def _logits(spec, plan, path: Path, ids: torch.Tensor) -> torch.Tensor:
     from safetensors.torch import load_file
 
     from nxdc.compile.trace import TORCH_DTYPES, wants_kernels
+    from nxdc.model.decoder import Decoder
+    from nxdc.model.layers import use_skinny_kernels
 
     model = Decoder(spec, 1, plan.sequence_length, TORCH_DTYPES[plan.dtype], weights=plan.weights).eval()
     state = load_file(str(path))

@@ -163,28 +163,14 @@ def pull(
     verbose: bool = VERBOSE,
 ) -> None:
     """Download verified entries: those an export of MODEL needs, the --key ones, or (no MODEL, no --key) everything on the remote."""
+    flags = dict(locals())  # the arguments; the ExportOptions ones are export options
     from nxdc.cache import transfer
+    from nxdc.plan import ExportOptions
 
     cache = _cache(cache_dir)
     rem = _remote(cache, remote)
     want_keys = _keys(keys)
-    flags = {
-        "tp": tp,
-        "batch_size": batch_size,
-        "sequence_length": sequence_length,
-        "max_context_length": max_context_length,
-        "min_context_bucket": min_context_bucket,
-        "context_buckets": context_buckets,
-        "min_decode_bucket": min_decode_bucket,
-        "decode_buckets": decode_buckets,
-        "dtype": dtype,
-        "weights": weights,
-        "speculation_length": speculation_length,
-        "num_layers": num_layers,
-        "backend": backend,
-        "device": device,
-    }
-    given = {k: v for k, v in flags.items() if v is not None}
+    given = {k: v for k, v in flags.items() if v is not None and k in ExportOptions.fields()}
     if (given or config) and not model:
         raise UserInputError("export options need a MODEL: nxdc cache pull MODEL [options]")
     if model and want_keys:

@@ -83,6 +83,7 @@ def export(
     verbose: bool = typer.Option(False, "-v", "--verbose", help="Tracebacks on errors."),
 ) -> None:
     """Compile MODEL into an export directory (weights + one compiled graph per bucket)."""
+    flags = dict(locals())  # the arguments; export_options keeps the ExportOptions ones
     from rich.markup import escape
 
     from nxdc.cache.transfer import open_cache
@@ -101,22 +102,6 @@ def export(
         raise UserInputError("missing MODEL (a directory, .gguf file, Hub id or smollm2-135m)")
     if output is None and not (dry_run or config_only is not None):
         raise UserInputError("missing -o/--output (the export directory to write)")
-    flags = {
-        "tp": tp,
-        "batch_size": batch_size,
-        "sequence_length": sequence_length,
-        "max_context_length": max_context_length,
-        "min_context_bucket": min_context_bucket,
-        "context_buckets": context_buckets,
-        "min_decode_bucket": min_decode_bucket,
-        "decode_buckets": decode_buckets,
-        "dtype": dtype,
-        "speculation_length": speculation_length,
-        "weights": weights,
-        "num_layers": num_layers,
-        "backend": backend,
-        "device": device,
-    }
     opts = export_options(preset, flags)
     if dry_run or config_only is not None:
         if config_only is not None:
@@ -239,11 +224,12 @@ def describe_plan(s: dict) -> str:
 
 
 def export_options(preset: dict, flags: dict):
-    """The preset's options overridden by the flags given (None: not given); bucket lists
-    parsed from their comma-separated form. Shared by ``export`` and ``cache pull``."""
+    """The preset's options overridden by the flags given (``flags``: a command's arguments,
+    named as ExportOptions fields; None: not given); bucket lists parsed from their
+    comma-separated form. Shared by ``export`` and ``cache pull``."""
     from nxdc.plan import ExportOptions
 
-    given = {k: v for k, v in flags.items() if v is not None}
+    given = {k: v for k, v in flags.items() if v is not None and k in ExportOptions.fields()}
     for name in ("context_buckets", "decode_buckets"):
         if isinstance(given.get(name), str):
             given[name] = _int_list(given[name], f"--{name.replace('_', '-')}")

@@ -71,10 +71,9 @@ class Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
     def _reduced(self, x: torch.Tensor) -> torch.Tensor:
-        op = LOWP_OPS[self.stored]
         if self.skinny:
             args = (x, self.weight, self.scale) if self.stored == "int8" else (x, self.weight)
-            return getattr(torch.ops.nxdc, op)(*args)
+            return getattr(torch.ops.nxdc, LOWP_OPS[self.stored])(*args)
         w = self.weight.to(x.dtype)
         if self.stored == "int8":
             w = w * self.scale.to(x.dtype).unsqueeze(1)
