@@ -11,7 +11,7 @@ prints the median step time, the weight bytes streamed per second and the tok/s-
     .venv/bin/python bench/kernels.py                 # M = 1 and 8, all formats, 2 threads
     .venv/bin/python bench/kernels.py --m 1 4 8 --rounds 30 --formats f16 i8
 
-Formats: fp32 (nxdc::skinny_linear), F.linear (fp32, PyTorch), f16 (nxdc::linear_f16), bf16
+Formats: fp32 (nxdc::linear_f32), F.linear (fp32, PyTorch), f16 (nxdc::linear_f16), bf16
 (nxdc::linear_bf16), i8 (nxdc::linear_i8, per-row scales), i8g32 / i8g64 (per-group scales).
 """
 
@@ -69,7 +69,7 @@ def make_weights(fmt: str, fp32: list[torch.Tensor]) -> list[tuple]:
 def op_for(fmt: str):
     ops = torch.ops.nxdc
     return {
-        "fp32": ops.skinny_linear,
+        "fp32": ops.linear_f32,
         "F.linear": F.linear,
         "f16": ops.linear_f16,
         "bf16": ops.linear_bf16,

@@ -93,7 +93,7 @@ def _logits(spec, plan, path: Path, ids: torch.Tensor) -> torch.Tensor:
 
     from nxdc.compile.trace import TORCH_DTYPES, wants_kernels
     from nxdc.model.decoder import Decoder
-    from nxdc.model.layers import use_skinny_kernels
+    from nxdc.model.layers import use_kernels
 
     model = Decoder(spec, 1, plan.sequence_length, TORCH_DTYPES[plan.dtype], weights=plan.weights).eval()
     state = load_file(str(path))
@@ -105,7 +105,7 @@ def _logits(spec, plan, path: Path, ids: torch.Tensor) -> torch.Tensor:
     bad = [k for k in result.missing_keys if not k.endswith("_cache")] + list(result.unexpected_keys)
     if bad:
         raise AssertionError(f"accuracy check: weights do not fit the model: {bad[:3]}")
-    use_skinny_kernels(model, wants_kernels(plan))
+    use_kernels(model, wants_kernels(plan))
     t = ids.shape[1]
     pos = torch.arange(t)
     mask = (pos.view(1, t) <= pos.view(t, 1)).view(1, 1, t, t)

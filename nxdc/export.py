@@ -170,7 +170,7 @@ def key_parts(
         "tp": plan.tp,
         **({"speculation_length": plan.speculation_length} if bucket.kind == "verify" else {}),
         "code": model_code_digest(),
-        **backend.key_parts(),
+        **backend.key_parts(bucket.kind),
     }
 
 
@@ -207,7 +207,7 @@ def compile_bucket(
                     ep = trace(
                         decoder_factory(), bucket, plan.batch_size, plan.device, plan.speculation_length
                     )
-                    backend.compile(ep, Path(tmp))
+                    backend.compile(ep, Path(tmp), bucket.kind)
                     found.path = cache.put(ns, key, parts, Path(tmp))
     # a copy, not a hard link: the export dir must not share bytes with the cache entry
     shutil.copyfile(found.path / backend.artifact, dest)

@@ -757,7 +757,7 @@ def test_export_with_unreachable_remote(tiny_gqa, tmp_path, monkeypatch):
     graphs are traced but the compiler writes a placeholder). With it: a clear error, exit 1."""
     from nxdc.compile.backends.inductor import InductorBackend
 
-    def placeholder(self, ep, out_dir):
+    def placeholder(self, ep, out_dir, kind=None):
         (out_dir / "model.pt2").write_bytes(b"placeholder")
 
     monkeypatch.setattr(InductorBackend, "compile", placeholder)

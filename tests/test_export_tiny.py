@@ -100,7 +100,7 @@ def test_corrupt_entry_is_rebuilt(tiny_gqa, tiny_gqa_export, tmp_path, cache_dir
 def test_interrupted_export_leaves_nothing(tiny_gqa, tmp_path, monkeypatch):
     from nxdc.compile.backends.inductor import InductorBackend
 
-    def interrupted(self, ep, out_dir):
+    def interrupted(self, ep, out_dir, kind=None):
         (out_dir / "model.pt2").write_bytes(b"half-written")
         raise KeyboardInterrupt
 

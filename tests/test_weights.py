@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from nxdc.cli.main import app
 from nxdc.export import stored_tensors
 from nxdc.kernels import ensure_loaded
-from nxdc.model.layers import Linear, use_skinny_kernels
+from nxdc.model.layers import Linear, use_kernels
 
 FORMATS = ["fp16", "bf16", "int8"]
 # tiny random model (logits ~1): max abs logit error vs fp32 weights
@@ -34,8 +34,8 @@ def _tiny_models(fmt: str, kernels: bool):
             continue
         state.update(stored_tensors(name, t, meta[name].dtype))
     low.load_state_dict(state, strict=False)
-    use_skinny_kernels(low, kernels)
-    use_skinny_kernels(ref, kernels)
+    use_kernels(low, kernels)
+    use_kernels(ref, kernels)
     return ref, low
 
 
@@ -137,7 +137,7 @@ def test_smollm2_int8_export_matches_eager_int8(smollm2_int8_export, smollm2_exp
         state["embed_tokens.scale"],
     )
     eager.load_state_dict(state, strict=False)
-    use_skinny_kernels(eager, ensure_loaded())
+    use_kernels(eager, ensure_loaded())
     assert (
         max_error(_prefill_logits_of(eager, ids), nxdc_logits(sess.prefill, sess.decode, ids, [n]), [n])
         < 2e-3

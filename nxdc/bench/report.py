@@ -25,6 +25,7 @@ def table(result: dict) -> Table:
         "tok/s",
         "prefill tok/s",
         "e2e ms",
+        "GB/s used/avail",
         "roofline",
         "RSS MiB",
     ]
@@ -44,6 +45,7 @@ def table(result: dict) -> Table:
             f"{r['decode_tokens_per_s']:.1f}",
             f"{r['prefill_tokens_per_s']:.0f}",
             f"{r['e2e_ms']:.0f}",
+            f"{r['read_gbs_achieved']:.0f}/{r.get('read_bandwidth_gbs', m['read_bandwidth_gbs']):.0f}",
             f"{100 * r['fraction_of_read_roofline']:.0f}%",
             f"{r['peak_rss_mib']:.0f}",
         ]

@@ -3,7 +3,8 @@
 Per (export, batch, prompt length): warm-up runs excluded, medians over runs for TTFT,
 decode tokens/s, end-to-end latency and prefill tokens/s; inter-token latency percentiles
 over every step of every run; bytes read per decode step and the share of the measured
-read-bandwidth roofline; optionally transformers' eager generate on the same weights and
+read-bandwidth roofline (the bandwidth measured again right after each configuration's runs,
+because a shared machine's bandwidth drifts by tens of percent); optionally transformers' eager generate on the same weights and
 token ids, interleaved run by run (ratios, because shared machines drift)."""
 
 from __future__ import annotations
@@ -29,14 +30,12 @@ def synthetic_prompt(tokenizer, n: int) -> list[int]:
 
 
 def step_bytes(session, position: int) -> int:
-    """Bytes a decode step at ``position`` reads: every weight once plus the KV cache slots its
-    decode graph attends to."""
-    from nxdc.compile.buckets import pick_decode_bucket
+    """Bytes a decode step at ``position`` must read: every weight once plus the KV cache slots
+    up to that position (what attention needs; nxdc's CPU attention kernel reads no more)."""
     from nxdc.plan import kv_cache_bytes, weight_bytes
 
     s, p = session.spec, session.plan
-    slots = pick_decode_bucket(p.decode, position).length
-    return weight_bytes(s, p) + kv_cache_bytes(s, p, slots)
+    return weight_bytes(s, p) + kv_cache_bytes(s, p, position + 1)
 
 
 def run_bench(
@@ -92,15 +91,12 @@ def _bench_export(sess, d, batch_sizes, prompt_lengths, new_tokens, runs, warmup
             if progress:
                 progress(f"{Path(d).name}: batch {b}, prompt {length}")
             ids = [synthetic_prompt(tok, length)] * b
-            rows.append(
-                _measure(
-                    sess, tok, ids, new_tokens, runs, warmup, ref, generate, d, info["read_bandwidth_gbs"]
-                )
-            )
+            rows.append(_measure(sess, tok, ids, new_tokens, runs, warmup, ref, generate, d, info["threads"]))
     return rows
 
 
-def _measure(sess, tok, ids, new_tokens, runs, warmup, ref, generate, export_dir, read_bw: float) -> dict:
+def _measure(sess, tok, ids, new_tokens, runs, warmup, ref, generate, export_dir, threads: int) -> dict:
+    from nxdc.bench.machine import read_bandwidth_gbs
     from nxdc.bench.reference import transformers_generate
 
     b, length = len(ids), len(ids[0])
@@ -136,7 +132,8 @@ def _measure(sess, tok, ids, new_tokens, runs, warmup, ref, generate, export_dir
     }
     steps_per_s = 1.0 / row["itl_ms"]["p50"] * 1000
     row["read_gbs_achieved"] = steps_per_s * nbytes / 1e9
-    row["fraction_of_read_roofline"] = row["read_gbs_achieved"] / read_bw
+    row["read_bandwidth_gbs"] = read_bandwidth_gbs(threads, reps=4)  # now, beside these runs
+    row["fraction_of_read_roofline"] = row["read_gbs_achieved"] / row["read_bandwidth_gbs"]
     if theirs:
         t = {
             "ttft_ms": med(x["ttft_s"] for x in theirs) * 1000,

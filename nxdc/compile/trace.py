@@ -11,7 +11,7 @@ import torch
 
 from nxdc.compile.buckets import Bucket
 from nxdc.model.decoder import ContextEncoding, Decoder, TokenGeneration, Verify
-from nxdc.model.layers import use_skinny_kernels
+from nxdc.model.layers import use_kernels
 from nxdc.model.parallel import shard_layout
 from nxdc.plan import ExportPlan
 from nxdc.spec import ModelSpec
@@ -35,7 +35,7 @@ def meta_decoder(spec: ModelSpec, plan: ExportPlan) -> Decoder:
 
 def build_decoder(spec: ModelSpec, plan: ExportPlan, kernels: bool = False) -> Decoder:
     model = meta_decoder(spec, plan).to_empty(device=plan.device).eval()
-    use_skinny_kernels(model, kernels)
+    use_kernels(model, kernels)
     return model
 
 

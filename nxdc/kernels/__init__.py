@@ -1,20 +1,23 @@
 """nxdc's own CPU kernels for the decode hot path, built once per machine on first use.
 
-``nxdc::skinny_linear(x[M, K], w[N, K]) -> [M, N]`` is an fp32 matmul for small M (the decode
-batch), with AVX-512 and AVX2/FMA paths chosen at run time: memory-bound, it streams every
-weight once at ~2.5x the bandwidth of PyTorch's default (MKL sgemv) on our CI machine. It is registered with TORCH_LIBRARY, so
-torch.export captures it and AOTInductor calls it from compiled graphs; the process that runs
-such a graph must have loaded the library first (``ensure_loaded``).
+``nxdc::linear_f32(x, w)``, ``linear_f16(x, w)``, ``linear_bf16(x, w)`` and
+``linear_i8(x, w, scale)`` (``linear.cpp``): fp32 activations [M, K] times fp32 / fp16 / bf16 /
+int8 weights [N, K] (int8: symmetric, fp32 ``scale [N]`` per row or ``[N, K // G]`` per group,
+see ``quant.py``), weights converted in registers, fp32 accumulation, any M. Memory-bound at
+decode: every weight is streamed once at the rate of a plain reduction (~2.5x PyTorch's MKL
+sgemv on our CI machine); faster than MKL's sgemm at prefill too (AVX-512).
 
-``nxdc::linear_f16(x, w)``, ``nxdc::linear_bf16(x, w)`` and ``nxdc::linear_i8(x, w, scale)``
-(``matvec_lowp.cpp``) take fp32 activations and fp16 / bf16 / int8 weights ``[N, K]`` (int8:
-symmetric, fp32 ``scale [N]`` per row or ``[N, K // G]`` per group, see ``quant.py``), convert
-weights to fp32 in registers and accumulate in fp32, for any M.
+``nxdc::attend(q, k_cache, v_cache, positions)`` (``attention.cpp``): decode / verify
+attention over the static KV cache, reading only the slots each query row attends to.
 
-The library is compiled from ``matvec.cpp`` and ``matvec_lowp.cpp`` with the system C++ compiler into
-``<cache>/kernels/<hash>/`` (hash of the source, torch version and flags), under a file lock.
+All are registered with TORCH_LIBRARY, so torch.export captures them and AOTInductor calls
+them from compiled graphs; the process that runs such a graph must have loaded the library
+first (``ensure_loaded``). AVX-512 and AVX2/FMA paths are chosen at run time.
+
+The library is compiled from ``SOURCES`` with the system C++ compiler into
+``<cache>/kernels/<hash>/`` (hash of the sources, torch version and flags), under a file lock.
 Where it cannot be built or the CPU lacks AVX2/FMA, ``ensure_loaded()`` is False and the
-model uses ``F.linear`` instead."""
+model uses PyTorch's ops instead."""
 
 from __future__ import annotations
 
@@ -27,11 +30,9 @@ from pathlib import Path
 import torch
 
 log = logging.getLogger(__name__)
-SOURCE = Path(__file__).with_name("matvec.cpp")
-# every C++ source compiled into the one library (SOURCE first); all of them go into the digest
-SOURCES = [SOURCE, Path(__file__).with_name("matvec_lowp.cpp")]
+# every C++ source compiled into the one library; all of them go into the digest
+SOURCES = [Path(__file__).with_name(f) for f in ("linear.cpp", "attention.cpp")]
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
-MAX_ROWS = 8  # the kernel handles M <= 8 (larger M is compute-bound: MKL is the right choice)
 
 
 def cpu_supported() -> bool:
@@ -43,8 +44,8 @@ def cpu_supported() -> bool:
 
 
 def kernel_digest() -> str:
-    h = hashlib.sha256(SOURCE.read_bytes())
-    for src in SOURCES[1:]:
+    h = hashlib.sha256()
+    for src in SOURCES:
         h.update(src.read_bytes())
     h.update(torch.__version__.encode())
     h.update(" ".join(CFLAGS).encode())
@@ -88,12 +89,16 @@ def ensure_loaded() -> bool:
 
 
 def _register_fake() -> None:
-    @torch.library.register_fake("nxdc::skinny_linear")
+    # linear.cpp: x fp32 [M, K]; w fp32 / fp16 / bf16 / int8 [N, K];
+    # int8 scale fp32 [N] (per row) or [N, K // G] (per group of G inputs); out fp32 [M, N].
+    @torch.library.register_fake("nxdc::attend")  # attention.cpp: out [B, H, R, D] like q
+    def _(q, k_cache, v_cache, positions):
+        return torch.empty_like(q)
+
+    @torch.library.register_fake("nxdc::linear_f32")
     def _(x, w):
         return x.new_empty((x.shape[0], w.shape[0]))
 
-    # Weight-only reduced precision (matvec_lowp.cpp): x fp32 [M, K]; w fp16 / bf16 / int8 [N, K];
-    # int8 scale fp32 [N] (per row) or [N, K // G] (per group of G inputs); out fp32 [M, N].
     @torch.library.register_fake("nxdc::linear_f16")
     def _(x, w):
         return x.new_empty((x.shape[0], w.shape[0]))

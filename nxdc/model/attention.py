@@ -20,6 +20,8 @@ from nxdc.spec import ModelSpec
 
 
 class Attention(nn.Module):
+    kernels = False  # nxdc::attend for decode / verify (fp32 on CPU); set by use_kernels
+
     def __init__(
         self, spec: ModelSpec, layout: ShardLayout, batch: int, max_seq: int, dtype: torch.dtype, device=None
     ):
@@ -70,14 +72,18 @@ class Attention(nn.Module):
         k = apply_rope(k, cos, sin)
         self._write(self.k_cache, k, positions)
         self._write(self.v_cache, v, positions)
-        if kv_len is None:
-            keys, values = k, v
-        else:
-            keys, values = self.k_cache[:, :, :kv_len], self.v_cache[:, :, :kv_len]
         # [B, Hq, T, D] -> [B, Hkv, G*T, D]: query heads kv*G .. kv*G+G-1 share KV head kv.
         qg = q.reshape(bsz, n_kv, group * t, d)
-        s = mask.shape[-1]
-        gmask = mask.unsqueeze(2).expand(mask.shape[0], 1, group, t, s).reshape(-1, 1, group * t, s)
-        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=gmask)
+        if kv_len is not None and self.kernels and q.dtype == torch.float32 and d % 8 == 0:
+            # decode / verify: each row reads only the slots up to its own position (the mask)
+            out = torch.ops.nxdc.attend(qg, self.k_cache, self.v_cache, positions)
+        else:
+            if kv_len is None:
+                keys, values = k, v
+            else:
+                keys, values = self.k_cache[:, :, :kv_len], self.v_cache[:, :, :kv_len]
+            s = mask.shape[-1]
+            gmask = mask.unsqueeze(2).expand(mask.shape[0], 1, group, t, s).reshape(-1, 1, group * t, s)
+            out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=gmask)
         out = out.reshape(bsz, self.n_heads, t, d).transpose(1, 2).reshape(bsz, t, -1)
         return all_reduce(self.o_proj(out), self.tp)

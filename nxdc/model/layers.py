@@ -8,7 +8,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nxdc.kernels import MAX_ROWS
 from nxdc.spec import ModelSpec, RopeSpec
 
 
@@ -33,15 +32,16 @@ LOWP_OPS = {"fp16": "linear_f16", "bf16": "linear_bf16", "int8": "linear_i8"}
 
 class Linear(nn.Module):
     """``nn.Linear``'s parameters (``weight [out, in]``, optional ``bias``) with a choice of
-    kernel: when ``skinny`` is set (nxdc's CPU kernels are in use, decided at export) and the
-    input has at most ``MAX_ROWS`` rows — a decode step — it calls nxdc's memory-bound matvec.
+    kernel: when ``kernels`` is set (nxdc's CPU kernels are in use, decided at export) and the
+    activations are fp32, every call (decode and prefill) runs ``nxdc::linear_f32``
+    (``kernels/linear.cpp``), which streams the weight once however many rows there are.
 
     ``store_as("fp16" | "bf16" | "int8")`` keeps the weight in that format (int8: symmetric,
     plus an fp32 ``scale`` per output row); activations, bias and accumulation stay in the
     compute dtype. With the kernels, every call reads the stored weight directly (prefill too);
     without them (CUDA, CPUs without AVX2) it is converted per call and PyTorch's matmul runs."""
 
-    skinny = False  # set per instance by the exporter / runtime builder
+    kernels = False  # set per instance by the exporter / runtime builder (use_kernels)
     stored: str | None = None  # None: the weight is in the compute dtype
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype, device=None):
@@ -64,14 +64,14 @@ class Linear(nn.Module):
         if self.stored is not None:
             y = self._reduced(x.reshape(rows, k)).view(*x.shape[:-1], self.weight.shape[0])
             return y + self.bias if self.bias is not None else y
-        if self.skinny and rows <= MAX_ROWS and x.dtype == torch.float32 and k % 8 == 0:
-            y = torch.ops.nxdc.skinny_linear(x.reshape(rows, k), self.weight)
+        if self.kernels and x.dtype == torch.float32:
+            y = torch.ops.nxdc.linear_f32(x.reshape(rows, k), self.weight)
             y = y.view(*x.shape[:-1], self.weight.shape[0])
             return y + self.bias if self.bias is not None else y
         return F.linear(x, self.weight, self.bias)
 
     def _reduced(self, x: torch.Tensor) -> torch.Tensor:
-        if self.skinny:
+        if self.kernels:
             args = (x, self.weight, self.scale) if self.stored == "int8" else (x, self.weight)
             return getattr(torch.ops.nxdc, LOWP_OPS[self.stored])(*args)
         w = self.weight.to(x.dtype)
@@ -100,10 +100,11 @@ class Embedding(nn.Module):
         return h
 
 
-def use_skinny_kernels(model: nn.Module, enabled: bool = True) -> None:
+def use_kernels(model: nn.Module, enabled: bool = True) -> None:
+    """Route every module that has a kernel of nxdc's (Linear, Attention) to it, or back."""
     for m in model.modules():
-        if isinstance(m, Linear):
-            m.skinny = enabled
+        if hasattr(type(m), "kernels"):
+            m.kernels = enabled
 
 
 class MLP(nn.Module):

@@ -81,7 +81,7 @@ class Session:
         if self.manifest.get("kernels"):
             from nxdc.kernels import ensure_loaded
 
-            if not ensure_loaded():  # graphs call nxdc::skinny_linear: the library must be loaded
+            if not ensure_loaded():  # graphs call nxdc::linear_*: the library must be loaded
                 raise ExportDirError(
                     f"{self.dir} uses nxdc's CPU kernels, which cannot be built or run on this machine "
                     f"(needs AVX2/FMA and a C++ compiler): re-export here with NXDC_DISABLE_KERNELS=1"
@@ -98,9 +98,15 @@ class Session:
                 raise ExportDirError(
                     f"{self.dir}: compiled artifact {art['path']} is corrupt (sha256 mismatch)"
                 )
-            self.graphs[name] = CompiledGraph(
-                name, backend.load(path), self.constants, art["inputs"], self.device
-            )
+            try:
+                loaded = backend.load(path)
+            except RuntimeError as e:  # e.g. a graph calling a kernel op this nxdc no longer has
+                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                raise ExportDirError(
+                    f"{self.dir}: compiled artifact {art['path']} cannot be loaded by this nxdc "
+                    f"({first}): re-run nxdc export"
+                ) from e
+            self.graphs[name] = CompiledGraph(name, loaded, self.constants, art["inputs"], self.device)
 
     def _constants(self) -> dict[str, torch.Tensor]:
         info = self.manifest["weights"].get(f"rank{self.rank}")

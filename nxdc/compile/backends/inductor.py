@@ -30,25 +30,38 @@ class InductorBackend:
     def __init__(self, device: str = "cpu"):
         self.device = check_device(device)
 
-    def inductor_configs(self) -> dict[str, Any]:
-        # always_keep_tensor_constants: Inductor otherwise folds small constants into the code,
-        # and some are bound per rank at load time (the tensor-parallel rank index)
-        return {"aot_inductor.package_constants_in_so": False, "always_keep_tensor_constants": True}
+    def inductor_configs(self, kind: str | None = None) -> dict[str, Any]:
+        """Inductor settings for a graph of bucket ``kind`` (context / decode / verify).
 
-    def key_parts(self) -> dict[str, Any]:
+        always_keep_tensor_constants: Inductor otherwise folds small constants into the code,
+        and some are bound per rank at load time (the tensor-parallel rank index).
+        cpp.threads = 1 for CPU decode / verify graphs: their generated code (norms, RoPE, SiLU,
+        cache writes on a few rows) is microseconds of work, less than an OpenMP fork/join, so
+        it runs on the calling thread; nxdc's kernels in the same graph still use every thread."""
+        flags: dict[str, Any] = {
+            "aot_inductor.package_constants_in_so": False,
+            "always_keep_tensor_constants": True,
+        }
+        if self.device == "cpu" and kind in ("decode", "verify"):
+            flags["cpp.threads"] = 1
+        return flags
+
+    def key_parts(self, kind: str | None = None) -> dict[str, Any]:
         return {
             "backend": self.name,
             "device": self.device.split(":")[0],
             "torch": torch.__version__,
             "isa": cpu_isa() if self.device == "cpu" else torch.cuda.get_device_capability(self.device),
-            "flags": self.inductor_configs(),
+            "flags": self.inductor_configs(kind),
         }
 
-    def compile(self, ep: torch.export.ExportedProgram, out_dir: Path) -> Path:
+    def compile(self, ep: torch.export.ExportedProgram, out_dir: Path, kind: str | None = None) -> Path:
         from torch._inductor import aoti_compile_and_package
 
         out = out_dir / ARTIFACT
-        aoti_compile_and_package(ep, package_path=os.fspath(out), inductor_configs=self.inductor_configs())
+        aoti_compile_and_package(
+            ep, package_path=os.fspath(out), inductor_configs=self.inductor_configs(kind)
+        )
         return out
 
     def load(self, path: Path):

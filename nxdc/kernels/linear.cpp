@@ -1,27 +1,34 @@
-// Weight-only reduced-precision linear layers: out[M, N] = x[M, K] @ dequant(w)[N, K]^T with fp32
-// activations, fp32 accumulation and weights stored as fp16, bf16 or int8 (symmetric, one fp32
-// scale per output row or per group of G consecutive inputs of a row).
+// Linear layers for fp32 activations: out[M, N] = x[M, K] @ dequant(w)[N, K]^T with fp32
+// accumulation and weights stored as fp32, fp16, bf16 or int8 (symmetric, one fp32 scale per
+// output row or per group of G consecutive inputs of a row).
 //
+//   nxdc::linear_f32(x, w)          w: float32  [N, K]
 //   nxdc::linear_f16(x, w)          w: float16  [N, K]
 //   nxdc::linear_bf16(x, w)         w: bfloat16 [N, K]
 //   nxdc::linear_i8(x, w, scale)    w: int8 [N, K]; scale: float32 [N] (per row) or [N, K / G]
 //                                   (per group, G = K / scale.size(1), G % 16 == 0)
 //
 // Streaming kernel (decode, and prefill with AVX-512): every weight is converted to fp32 in
-// registers (vcvtph2ps / a 16-bit shift / vpmovsxbd + vcvtdq2ps) right after its load and feeds
-// up to 8 fp32 FMA chains, one per activation row; weight rows are split across threads with
-// at::parallel_for, and a software prefetch stream runs 8 KiB ahead of the weights. M <= 8 is one
-// pass that reads each weight once (memory-bound at M = 1, FMA-bound at M = 8 on 2 Zen 5 cores);
-// larger M runs passes of <= 8 rows over L2-sized tiles of weight rows, so weights still come from
-// DRAM once. Per-row int8 scales multiply the finished dot product; per-group scales multiply
-// the converted weight vector (exactly the fp32 q * s of the reference dequantisation).
-// Dequantise + at::mm (prefill on AVX2-only CPUs, M > 32, where MKL's AVX2 sgemm wins): each
-// thread dequantises blocks of 64-256 weight rows into a small fp32 scratch (never the whole
-// weight) and calls at::mm on the block, writing a column slice of out.
+// registers (a plain load / vcvtph2ps / a 16-bit shift / vpmovsxbd + vcvtdq2ps) right after its
+// load and feeds up to 8 fp32 FMA chains, one per activation row; weight rows are split across
+// threads with at::parallel_for, and a software prefetch stream runs 8 KiB ahead of the weights.
+// M <= 8 is one pass that reads each weight once (memory-bound at M = 1, FMA-bound at M = 8 on
+// 2 Zen 5 cores); larger M runs passes of <= 8 rows over L2-sized tiles of weight rows, so
+// weights still come from DRAM once. Per-row int8 scales multiply the finished dot product;
+// per-group scales multiply the converted weight vector (exactly the fp32 q * s of the reference
+// dequantisation). On AVX-512 this beats MKL's sgemm (which takes its AVX2 path on AMD) at
+// every M we measured, prefill included (SmolLM2 shapes, M = 16..512: 1.3-3.8x).
+// AVX2-only CPUs, M > 32, where MKL's AVX2 sgemm wins: fp32 calls at::mm; the other formats
+// dequantise blocks of 64-256 weight rows per thread into a small fp32 scratch (never the whole
+// weight) and call at::mm on the block, writing a column slice of out.
 //
-// Two code paths chosen at run time, as in matvec.cpp: AVX-512 (F + BW + VL, masked K tail) and
-// AVX2 + FMA + F16C (scalar K tail). The library is built with AVX2 flags and the wider paths
-// are enabled per function with target attributes, so it still loads on AVX2-only CPUs.
+// Every output row is summed in the same order whatever M, the tiling or the thread split
+// (the lane tree of reduce_store is the same for any number of vectors): a verify graph's rows
+// equal a decode graph's bit for bit, which greedy speculative decoding relies on.
+//
+// Two code paths chosen at run time: AVX-512 (F + BW + VL, masked K tail) and AVX2 + FMA + F16C
+// (scalar K tail). The library is built with AVX2 flags and the wider paths are enabled per
+// function with target attributes, so it still loads on AVX2-only CPUs.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -39,12 +46,16 @@
 
 namespace {
 
-enum class Fmt { F16, BF16, I8 };
+enum class Fmt { F32, F16, BF16, I8 };
 enum class Scale { None, Row, Group };
 
 template <Fmt F>
 struct Store {
   using T = uint16_t;
+};
+template <>
+struct Store<Fmt::F32> {
+  using T = float;
 };
 template <>
 struct Store<Fmt::I8> {
@@ -53,7 +64,9 @@ struct Store<Fmt::I8> {
 
 template <Fmt F>
 inline float to_float(typename Store<F>::T v) {
-  if constexpr (F == Fmt::F16) {
+  if constexpr (F == Fmt::F32) {
+    return v;
+  } else if constexpr (F == Fmt::F16) {
     return static_cast<float>(c10::Half(v, c10::Half::from_bits()));
   } else if constexpr (F == Fmt::BF16) {
     uint32_t u = static_cast<uint32_t>(v) << 16;
@@ -96,7 +109,9 @@ constexpr int64_t PF_BYTES = 8192;
 
 template <Fmt F>
 NXDC_AVX512 inline __m512 load16(const typename Store<F>::T* p) {
-  if constexpr (F == Fmt::F16) {
+  if constexpr (F == Fmt::F32) {
+    return _mm512_loadu_ps(p);
+  } else if constexpr (F == Fmt::F16) {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   } else if constexpr (F == Fmt::BF16) {
     __m512i u = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
@@ -108,7 +123,9 @@ NXDC_AVX512 inline __m512 load16(const typename Store<F>::T* p) {
 
 template <Fmt F>
 NXDC_AVX512 inline __m512 load16_mask(const typename Store<F>::T* p, __mmask16 m) {
-  if constexpr (F == Fmt::F16) {
+  if constexpr (F == Fmt::F32) {
+    return _mm512_maskz_loadu_ps(m, p);
+  } else if constexpr (F == Fmt::F16) {
     return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p));
   } else if constexpr (F == Fmt::BF16) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
@@ -267,7 +284,9 @@ NXDC_AVX512 void block512(const Args& a, int64_t n0, int64_t n1) {
 
 template <Fmt F>
 NXDC_AVX2 inline __m256 load8(const typename Store<F>::T* p) {
-  if constexpr (F == Fmt::F16) {
+  if constexpr (F == Fmt::F32) {
+    return _mm256_loadu_ps(p);
+  } else if constexpr (F == Fmt::F16) {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   } else if constexpr (F == Fmt::BF16) {
     __m256i u = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -481,7 +500,9 @@ at::Tensor lowp_linear(const char* name, const at::Tensor& x, const at::Tensor& 
   auto wc = w.contiguous();
   Args a{xc.data_ptr<float>(), wc.data_ptr(),      S == Scale::None ? nullptr : sc.data_ptr<float>(),
          gidx.data(),          out.data_ptr<float>(), K, N, ng};
-  if (M <= stream_rows_max()) {
+  if (F == Fmt::F32 && M > stream_rows_max()) {  // AVX2-only CPUs: MKL's sgemm, nothing to convert
+    at::mm_out(out, xc, wc.t());
+  } else if (M <= stream_rows_max()) {
     switch (S) {
       case Scale::None: stream<F, Scale::None>(a, M); break;
       case Scale::Row: stream<F, Scale::Row>(a, M); break;
@@ -499,6 +520,11 @@ at::Tensor lowp_linear(const char* name, const at::Tensor& x, const at::Tensor& 
 
 }  // namespace
 
+at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& w) {
+  TORCH_CHECK(w.scalar_type() == at::kFloat, "linear_f32: w must be float32, got ", w.scalar_type());
+  return lowp_linear<Fmt::F32>("linear_f32", x, w, nullptr);
+}
+
 at::Tensor linear_f16(const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(w.scalar_type() == at::kHalf, "linear_f16: w must be float16, got ", w.scalar_type());
   return lowp_linear<Fmt::F16>("linear_f16", x, w, nullptr);
@@ -514,13 +540,15 @@ at::Tensor linear_i8(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   return lowp_linear<Fmt::I8>("linear_i8", x, w, &scale);
 }
 
-TORCH_LIBRARY_FRAGMENT(nxdc, m) {
+TORCH_LIBRARY(nxdc, m) {
+  m.def("linear_f32(Tensor x, Tensor w) -> Tensor");
   m.def("linear_f16(Tensor x, Tensor w) -> Tensor");
   m.def("linear_bf16(Tensor x, Tensor w) -> Tensor");
   m.def("linear_i8(Tensor x, Tensor w, Tensor scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(nxdc, CPU, m) {
+  m.impl("linear_f32", &linear_f32);
   m.impl("linear_f16", &linear_f16);
   m.impl("linear_bf16", &linear_bf16);
   m.impl("linear_i8", &linear_i8);

@@ -1,0 +1,89 @@
+"""``nxdc::attend`` (kernels/attention.cpp), the decode / verify attention over the KV cache:
+equal to masked SDPA in fp64 up to fp32 rounding, for decode (T = 1) and verify (T > 1) shapes,
+per-sequence positions, head dims 64 / 128 / 24; a verify row equals the decode row at the same
+position bit for bit; slots past a row's position are never read; bad input is refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nxdc.kernels import cpu_supported, ensure_loaded
+
+pytestmark = pytest.mark.skipif(not cpu_supported(), reason="CPU without AVX2/FMA: kernels are not used")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _loaded():
+    assert ensure_loaded()
+
+
+def reference(q, k, v, positions):
+    b, h, r, d = q.shape
+    t, s = positions.shape[1], k.shape[2]
+    g = r // t
+    slots = torch.arange(s)
+    mask = (slots.view(1, 1, -1) <= positions.unsqueeze(-1)).unsqueeze(1)  # [B, 1, T, S]
+    gmask = mask.unsqueeze(2).expand(b, 1, g, t, s).reshape(b, 1, r, s)
+    return F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=gmask)
+
+
+@pytest.mark.parametrize(
+    "b, h, g, t, s, d",
+    [
+        (1, 3, 3, 1, 256, 64),
+        (8, 3, 3, 1, 64, 64),
+        (2, 2, 4, 5, 40, 128),
+        (3, 1, 2, 3, 17, 24),
+        (1, 4, 1, 1, 9, 8),
+    ],
+)
+def test_matches_masked_sdpa(b, h, g, t, s, d):
+    torch.manual_seed(b * 1000 + s + d)
+    q, k, v = torch.randn(b, h, g * t, d), torch.randn(b, h, s, d), torch.randn(b, h, s, d)
+    start = torch.randint(0, s - t + 1, (b,))
+    start[0] = 0  # a row that attends to one slot only
+    positions = start.view(-1, 1) + torch.arange(t).view(1, -1)
+    got = torch.ops.nxdc.attend(q, k, v, positions)
+    assert got.shape == q.shape and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), reference(q, k, v, positions), rtol=0, atol=2e-6)
+
+
+def test_verify_rows_equal_decode_rows_bit_for_bit():
+    torch.manual_seed(1)
+    b, h, g, t, s, d = 2, 3, 3, 5, 64, 64
+    k, v = torch.randn(b, h, s, d), torch.randn(b, h, s, d)
+    qv = torch.randn(b, h, g, t, d)  # verify queries, [.., G, T, D] -> rows g * T + t
+    start = torch.tensor([7, 30])
+    positions = start.view(-1, 1) + torch.arange(t).view(1, -1)
+    verify = torch.ops.nxdc.attend(qv.reshape(b, h, g * t, d), k, v, positions).view(b, h, g, t, d)
+    for j in range(t):
+        decode = torch.ops.nxdc.attend(qv[:, :, :, j].contiguous(), k, v, positions[:, j : j + 1])
+        assert torch.equal(verify[:, :, :, j], decode)
+
+
+def test_slots_past_the_position_are_never_read():
+    torch.manual_seed(2)
+    q, k, v = torch.randn(1, 2, 3, 64), torch.randn(1, 2, 32, 64), torch.randn(1, 2, 32, 64)
+    positions = torch.tensor([[10]])
+    before = torch.ops.nxdc.attend(q, k, v, positions)
+    k[:, :, 11:], v[:, :, 11:] = float("nan"), float("nan")
+    assert torch.equal(torch.ops.nxdc.attend(q, k, v, positions), before)
+
+
+def test_bad_input_is_refused():
+    q, k = torch.randn(1, 2, 3, 64), torch.randn(1, 2, 16, 64)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        torch.ops.nxdc.attend(q, k, k, torch.tensor([[16]]))
+    with pytest.raises(RuntimeError, match="multiple of 8"):
+        torch.ops.nxdc.attend(
+            torch.randn(1, 2, 3, 12),
+            torch.randn(1, 2, 16, 12),
+            torch.randn(1, 2, 16, 12),
+            torch.tensor([[3]]),
+        )
+    with pytest.raises(RuntimeError, match="fp32 only"):
+        torch.ops.nxdc.attend(q.double(), k.double(), k.double(), torch.tensor([[3]]))
+    with pytest.raises(RuntimeError, match="do not match"):
+        torch.ops.nxdc.attend(q, k, k, torch.tensor([[3, 4]]))  # 3 rows are not a multiple of T = 2
