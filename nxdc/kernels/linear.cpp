@@ -16,8 +16,9 @@
 // 2 Zen 5 cores); larger M runs passes of <= 8 rows over L2-sized tiles of weight rows, so
 // weights still come from DRAM once. Per-row int8 scales multiply the finished dot product;
 // per-group scales multiply the converted weight vector (exactly the fp32 q * s of the reference
-// dequantisation). On AVX-512 this beats MKL's sgemm (which takes its AVX2 path on AMD) at
-// every M we measured, prefill included (SmolLM2 shapes, M = 16..512: 1.3-3.8x).
+// dequantisation). On AVX-512 this beats MKL's sgemm (which takes its AVX2 path on AMD) on
+// Zen 5 at every M we measured, prefill included (SmolLM2 shapes, M = 16..512: 1.3-3.8x), and
+// is at par on Zen 4, whose AVX-512 runs on 256-bit units (M = 16 / 128 / 512: 1.8 / 1.17 / 0.97x).
 // AVX2-only CPUs, M > 32, where MKL's AVX2 sgemm wins: fp32 calls at::mm; the other formats
 // dequantise blocks of 64-256 weight rows per thread into a small fp32 scratch (never the whole
 // weight) and call at::mm on the block, writing a column slice of out.
@@ -437,7 +438,7 @@ NXDC_AVX2 void dequant_rows(const Args& a, int64_t n0, int64_t rows, float* dst)
 // Up to how many activation rows the streaming kernel beats dequantise + at::mm. Measured on
 // Zen 5 (2 threads, SmolLM2 shapes): with AVX-512 the streaming kernel is ~2x faster than
 // at::mm (MKL takes its AVX2 path on AMD) at every M up to 1024 and beyond, so it is used for
-// any M; on the AVX2 path at::mm wins from M ~ 64.
+// any M (on Zen 4 it is at par with at::mm from M ~ 128); on the AVX2 path at::mm wins from M ~ 64.
 int64_t stream_rows_max() { return has_avx512() ? std::numeric_limits<int64_t>::max() : 32; }
 
 // M > stream_rows_max(): per thread, dequantise blocks of weight rows into a small fp32 scratch
