@@ -1,6 +1,7 @@
 """Weight formats side by side (the README's `--weights` table and docs/weights.md): SmolLM2
-exported with fp32 / fp16 / bf16 / int8 weights at batch 1 and 8, decode measured in one
-`nxdc bench` run (interleaved, same process), accuracy against fp32 on the fixed text.
+exported with fp32 / fp16 / bf16 / int8 weights (fp32 KV cache), and fp16 / int8 weights with an
+fp16 KV cache (`--kv-cache fp16`), at batch 1 and 8; decode measured in one `nxdc bench` run
+(interleaved, same process), accuracy against fp32 on the fixed text.
 
     .venv/bin/python bench/weights.py [--new-tokens 96] [--runs 3]
 
@@ -16,6 +17,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 FORMATS = ["fp32", "fp16", "bf16", "int8"]
+CONFIGS = [(w, None) for w in FORMATS] + [("fp16", "fp16"), ("int8", "fp16")]  # (weights, KV cache)
+
+
+def label(w: str, kv: str | None) -> str:
+    return f"{w}-kv{kv}" if kv else w
 
 
 def main() -> None:
@@ -32,16 +38,24 @@ def main() -> None:
 
     batches = [int(b) for b in args.batch_sizes.split(",")]
     dirs = {}
-    for w in FORMATS:
+    for w, kv in CONFIGS:
         for b in batches:
-            d = ROOT / "bench" / "exports" / f"weights-{w}-b{b}"
-            opts = ExportOptions(batch_size=b, sequence_length=256, context_buckets=(128,), weights=w)
+            d = ROOT / "bench" / "exports" / f"weights-{label(w, kv)}-b{b}"
+            opts = ExportOptions(
+                batch_size=b, sequence_length=256, context_buckets=(128,), weights=w, kv_cache=kv
+            )
             run_export("smollm2-135m", d, opts)
-            dirs[(w, b)] = d
-    acc = {
-        r["weights"]: r
-        for r in measure_formats("smollm2-135m", ExportOptions(sequence_length=512), FORMATS[1:])
-    }
+            dirs[(label(w, kv), b)] = d
+    acc = {}
+    for kv in sorted({kv or "fp32" for _, kv in CONFIGS}):
+        fmts = [w for w, k in CONFIGS if (k or "fp32") == kv and (w, k) != ("fp32", None)]
+        opts = ExportOptions(sequence_length=512, kv_cache=kv)
+        acc.update(
+            {
+                label(r["weights"], None if kv == "fp32" else kv): r
+                for r in measure_formats("smollm2-135m", opts, fmts)
+            }
+        )
     res = run_bench(
         list(dirs.values()),
         prompt_lengths=[128],
@@ -52,24 +66,25 @@ def main() -> None:
     rate = {}
     for row, key in zip(res["rows"], dirs, strict=True):
         rate[key] = row
-    out = {"machine": res["machine"], "accuracy": acc, "rows": {f"{w}-b{b}": r for (w, b), r in rate.items()}}
+    out = {"machine": res["machine"], "accuracy": acc, "rows": {f"{c}-b{b}": r for (c, b), r in rate.items()}}
     (ROOT / "docs" / "bench-weights.json").write_text(json.dumps(out, indent=1))
     b1, b8 = batches[0], batches[-1]
     print(
-        f"| weights | file MB | decode tok/s b{b1} | roofline b{b1} | tok/s b{b8} | b{b8} ÷ b{b1} | top-1 vs fp32 | perplexity Δ | max logit err |"
+        f"| weights | KV cache | file MB | decode tok/s b{b1} | roofline b{b1} | tok/s b{b8} | b{b8} ÷ b{b1} | top-1 vs fp32 | perplexity Δ | max logit err |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
-    for w in FORMATS:
-        r1, r8 = rate[(w, b1)], rate[(w, b8)]
-        mb = (dirs[(w, b1)] / "weights" / "rank0.safetensors").stat().st_size / 1e6
-        a = acc.get(w)
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for w, kv in CONFIGS:
+        c = label(w, kv)
+        r1, r8 = rate[(c, b1)], rate[(c, b8)]
+        mb = (dirs[(c, b1)] / "weights" / "rank0.safetensors").stat().st_size / 1e6
+        a = acc.get(c)
         accs = (
             f"{a['top1_agreement']:.1%} | {a['perplexity_ratio'] - 1:+.2%} | {a['max_abs_logit_error']:.3g}"
             if a
             else "– | – | –"
         )
         print(
-            f"| {w} | {mb:.0f} | {r1['decode_tokens_per_s']:.1f} | {r1['fraction_of_read_roofline']:.0%} | {r8['decode_tokens_per_s']:.1f} | "
+            f"| {w} | {kv or 'fp32'} | {mb:.0f} | {r1['decode_tokens_per_s']:.1f} | {r1['fraction_of_read_roofline']:.0%} | {r8['decode_tokens_per_s']:.1f} | "
             f"{r8['decode_tokens_per_s'] / r1['decode_tokens_per_s']:.1f}× | {accs} |"
         )
 

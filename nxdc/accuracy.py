@@ -1,5 +1,5 @@
 """``nxdc export --check-accuracy``: how far a reduced-precision weight format (``--weights``)
-moves the model from fp32 weights, measured on a fixed English text.
+and KV cache (``--kv-cache``) move the model from fp32, measured on a fixed English text.
 
 Both models are built in this process from the source checkpoint through the exporter's own
 weight path (``write_weights``: same sharding-free tp 1 tensors, same quantisation) and run
@@ -37,26 +37,32 @@ EVAL_TEXT = (
 
 
 def measure(model: str, opts, text: str = EVAL_TEXT, cache_root: Path | None = None) -> dict:
-    """Top-1 agreement, perplexities and max logit error of ``opts.weights`` vs fp32 weights."""
-    return measure_formats(model, opts, [opts.weights], text, cache_root)[0]
+    """Top-1 agreement, perplexities and max logit error of ``opts.weights`` and
+    ``opts.kv_cache`` vs fp32 weights and KV cache."""
+    return measure_formats(model, opts, [opts.weights or "fp32"], text, cache_root)[0]
 
 
 def measure_formats(
     model: str, opts, formats: list[str], text: str = EVAL_TEXT, cache_root: Path | None = None
 ) -> list[dict]:
-    """``measure`` for several weight formats against one fp32 reference run."""
+    """``measure`` for several weight formats (each with ``opts.kv_cache``) against one fp32
+    reference run."""
     from nxdc.export import prepare, write_weights
 
-    opts = dataclasses.replace(opts, tp=1, batch_size=1, speculation_length=0, weights=None, dtype="fp32")
+    kv = opts.kv_cache if opts.kv_cache != "fp32" else None
+    opts = dataclasses.replace(
+        opts, tp=1, batch_size=1, speculation_length=0, weights=None, kv_cache=None, dtype="fp32"
+    )
     src, _, spec, plan = prepare(model, opts, cache_root)
     ids = _tokens(src, text, plan.sequence_length)
     target = ids[0, 1:]
     nll = lambda lg: float(torch.nn.functional.cross_entropy(lg[:-1], target))  # noqa: E731
     out, ref = [], None
     with tempfile.TemporaryDirectory(prefix="nxdc-accuracy-") as tmp:
-        for fmt in ["fp32", *formats]:
-            p = dataclasses.replace(plan, weights=None if fmt == "fp32" else fmt)
-            path = Path(tmp) / f"{fmt}.safetensors"
+        for i, fmt in enumerate(["fp32", *formats]):
+            w = None if fmt == "fp32" else fmt
+            p = dataclasses.replace(plan, weights=w, kv_cache=kv if i else None)
+            path = Path(tmp) / f"{i}-{fmt}.safetensors"
             write_weights(src, spec, p, 0, path)
             got = _logits(spec, p, path, ids)
             path.unlink()
@@ -67,6 +73,7 @@ def measure_formats(
             out.append(
                 {
                     "weights": fmt,
+                    "kv_cache": p.kv_format,
                     "tokens": int(ids.shape[1]),
                     "top1_agreement": float((ref.argmax(-1) == got.argmax(-1)).float().mean()),
                     "perplexity_fp32": ppl_ref,
@@ -95,7 +102,14 @@ def _logits(spec, plan, path: Path, ids: torch.Tensor) -> torch.Tensor:
     from nxdc.model.decoder import Decoder
     from nxdc.model.layers import use_kernels
 
-    model = Decoder(spec, 1, plan.sequence_length, TORCH_DTYPES[plan.dtype], weights=plan.weights).eval()
+    model = Decoder(
+        spec,
+        1,
+        plan.sequence_length,
+        TORCH_DTYPES[plan.dtype],
+        weights=plan.weights,
+        kv_dtype=TORCH_DTYPES[plan.kv_format],
+    ).eval()
     state = load_file(str(path))
     if spec.tie_word_embeddings:
         state["lm_head.weight"] = state["embed_tokens.weight"]

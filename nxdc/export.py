@@ -167,6 +167,7 @@ def key_parts(
         "sequence_length": plan.sequence_length,
         "dtype": plan.dtype,
         **({"weights": plan.weights} if plan.weights else {}),
+        **({"kv_cache": plan.kv_cache} if plan.kv_cache else {}),
         "tp": plan.tp,
         **({"speculation_length": plan.speculation_length} if bucket.kind == "verify" else {}),
         "code": model_code_digest(),

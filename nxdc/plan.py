@@ -16,7 +16,8 @@ from nxdc.errors import UnsupportedError, UserInputError
 from nxdc.spec import ModelSpec
 
 DTYPES = ("fp32", "bf16")
-DTYPE_BYTES = {"fp32": 4, "bf16": 2}
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+KV_FORMATS = ("fp32", "fp16", "bf16")
 BACKENDS = ("inductor", "neuron")
 
 
@@ -37,6 +38,7 @@ class ExportOptions:
     device: str = "cpu"
     speculation_length: int = 0  # K > 0: add verify graphs (K+1 tokens per call) for speculation
     weights: str | None = None  # storage of linear-layer weights: fp32 | fp16 | bf16 | int8 (default: dtype)
+    kv_cache: str | None = None  # storage of the KV cache: fp32 | fp16 | bf16 (default: dtype)
     num_layers: int | None = None  # keep only the first L layers (a self-draft for speculation)
 
     @classmethod
@@ -56,11 +58,17 @@ class ExportPlan:
     speculation_length: int = 0
     source_num_layers: int | None = None  # set when --num-layers truncated the model
     weights: str | None = None  # None: stored in ``dtype``
+    kv_cache: str | None = None  # None: stored in ``dtype``
 
     @property
     def weight_format(self) -> str:
         """How linear layers (and the embedding) store their weights; see docs/weights.md."""
         return self.weights or self.dtype
+
+    @property
+    def kv_format(self) -> str:
+        """How the KV cache stores keys and values; see docs/weights.md."""
+        return self.kv_cache or self.dtype
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -192,6 +200,7 @@ def make_plan(spec: ModelSpec, opts: ExportOptions, check_device: bool = True) -
         buckets=tuple(buckets),
         speculation_length=k,
         weights=_weight_format(opts),
+        kv_cache=_kv_format(opts),
         source_num_layers=spec.num_layers if opts.num_layers else None,
     )
 
@@ -240,6 +249,15 @@ def _weight_format(opts: ExportOptions) -> str | None:
     return w
 
 
+def _kv_format(opts: ExportOptions) -> str | None:
+    kv = opts.kv_cache
+    if kv is None or kv == opts.dtype:
+        return None
+    if kv not in KV_FORMATS:
+        raise UserInputError(f"--kv-cache must be one of {', '.join(KV_FORMATS)} (got {kv!r})")
+    return kv
+
+
 def planned_spec(spec: ModelSpec, opts: ExportOptions) -> ModelSpec:
     """The model the export holds: ``--num-layers L`` keeps the first L layers (plus the final
     norm and lm_head), e.g. a draft for speculative decoding made from the target itself."""
@@ -276,5 +294,5 @@ def kv_cache_bytes(
 
     slots = plan.sequence_length if slots is None else slots
     kv = shard_layout(spec, plan.tp).kv * (1 if per_rank else plan.tp)
-    per_slot = 2 * spec.num_layers * kv * spec.head_dim * DTYPE_BYTES[plan.dtype]
+    per_slot = 2 * spec.num_layers * kv * spec.head_dim * DTYPE_BYTES[plan.kv_format]
     return plan.batch_size * slots * per_slot

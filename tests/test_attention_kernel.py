@@ -1,6 +1,7 @@
 """``nxdc::attend`` (kernels/attention.cpp), the decode / verify attention over the KV cache:
 equal to masked SDPA in fp64 up to fp32 rounding, for decode (T = 1) and verify (T > 1) shapes,
-per-sequence positions, head dims 64 / 128 / 24; a verify row equals the decode row at the same
+per-sequence positions, head dims 64 / 128 / 24, fp32 / fp16 / bf16 caches (read as the fp32
+values they hold); a verify row equals the decode row at the same
 position bit for bit; slots past a row's position are never read; bad input is refused."""
 
 from __future__ import annotations
@@ -50,10 +51,26 @@ def test_matches_masked_sdpa(b, h, g, t, s, d):
     torch.testing.assert_close(got.double(), reference(q, k, v, positions), rtol=0, atol=2e-6)
 
 
-def test_verify_rows_equal_decode_rows_bit_for_bit():
+@pytest.mark.parametrize("cache", [torch.float16, torch.bfloat16])
+def test_16_bit_caches_are_read_as_their_fp32_values(cache):
+    torch.manual_seed(3)
+    b, h, g, t, s, d = 2, 3, 3, 2, 48, 64
+    q, k, v = (
+        torch.randn(b, h, g * t, d),
+        torch.randn(b, h, s, d).to(cache),
+        torch.randn(b, h, s, d).to(cache),
+    )
+    positions = torch.tensor([[5, 6], [40, 41]])
+    got = torch.ops.nxdc.attend(q, k, v, positions)
+    assert got.dtype == torch.float32
+    assert torch.equal(got, torch.ops.nxdc.attend(q, k.float(), v.float(), positions))
+
+
+@pytest.mark.parametrize("cache", [torch.float32, torch.float16, torch.bfloat16])
+def test_verify_rows_equal_decode_rows_bit_for_bit(cache):
     torch.manual_seed(1)
     b, h, g, t, s, d = 2, 3, 3, 5, 64, 64
-    k, v = torch.randn(b, h, s, d), torch.randn(b, h, s, d)
+    k, v = torch.randn(b, h, s, d).to(cache), torch.randn(b, h, s, d).to(cache)
     qv = torch.randn(b, h, g, t, d)  # verify queries, [.., G, T, D] -> rows g * T + t
     start = torch.tensor([7, 30])
     positions = start.view(-1, 1) + torch.arange(t).view(1, -1)
@@ -83,7 +100,11 @@ def test_bad_input_is_refused():
             torch.randn(1, 2, 16, 12),
             torch.tensor([[3]]),
         )
-    with pytest.raises(RuntimeError, match="fp32 only"):
-        torch.ops.nxdc.attend(q.double(), k.double(), k.double(), torch.tensor([[3]]))
+    with pytest.raises(RuntimeError, match="q must be float32"):
+        torch.ops.nxdc.attend(q.double(), k, k, torch.tensor([[3]]))
+    with pytest.raises(RuntimeError, match="caches must be both"):
+        torch.ops.nxdc.attend(q, k.double(), k.double(), torch.tensor([[3]]))
+    with pytest.raises(RuntimeError, match="caches must be both"):
+        torch.ops.nxdc.attend(q, k.half(), k.bfloat16(), torch.tensor([[3]]))
     with pytest.raises(RuntimeError, match="do not match"):
         torch.ops.nxdc.attend(q, k, k, torch.tensor([[3, 4]]))  # 3 rows are not a multiple of T = 2

@@ -152,6 +152,7 @@ def pull(
     decode_buckets: str = typer.Option(None, "--decode-buckets"),
     dtype: str = typer.Option(None, "--dtype"),
     weights: str = typer.Option(None, "--weights"),
+    kv_cache: str = typer.Option(None, "--kv-cache"),
     speculation_length: int = typer.Option(None, "--speculation-length"),
     num_layers: int = typer.Option(None, "--num-layers"),
     backend: str = typer.Option(None, "--backend"),

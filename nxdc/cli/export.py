@@ -45,8 +45,15 @@ def export(
         "--weights",
         help="Weight storage: fp32 | fp16 | bf16 | int8 (activations stay --dtype fp32). [default: --dtype]",
     ),
+    kv_cache: str = typer.Option(
+        None,
+        "--kv-cache",
+        help="KV-cache storage: fp32 | fp16 | bf16 (attention still computes in --dtype). [default: --dtype]",
+    ),
     check_accuracy: bool = typer.Option(
-        False, "--check-accuracy", help="Measure the --weights format's error against fp32 on a fixed text."
+        False,
+        "--check-accuracy",
+        help="Measure the --weights / --kv-cache formats' error against fp32 on a fixed text.",
     ),
     speculation_length: int = typer.Option(
         None,
@@ -124,8 +131,14 @@ def export(
         require_cache,
         warn=lambda m: err_console.print(f"[yellow]warning:[/] {escape(m)}", soft_wrap=True),
     )
-    if check_accuracy and opts.weights in (None, opts.dtype):
-        raise UserInputError("--check-accuracy measures a --weights format against fp32: pass --weights")
+    if check_accuracy and opts.weights in (None, opts.dtype) and opts.kv_cache in (None, opts.dtype):
+        raise UserInputError(
+            "--check-accuracy measures --weights / --kv-cache formats against fp32: pass one of them"
+        )
+    if check_accuracy and opts.dtype != "fp32":
+        raise UserInputError(
+            f"--check-accuracy compares against fp32 and needs --dtype fp32 (got {opts.dtype})"
+        )
     result = run_export(model, output, opts, cache=cache, reporter=reporter)
     summary = result.to_dict()
     if check_accuracy:
@@ -141,7 +154,7 @@ def export(
         )
         if check_accuracy:
             err_console.print(
-                f"accuracy of --weights {acc['weights']} vs fp32 on {acc['tokens']} tokens: "
+                f"accuracy of --weights {acc['weights']} --kv-cache {acc['kv_cache']} vs fp32 on {acc['tokens']} tokens: "
                 f"top-1 agreement {acc['top1_agreement']:.1%}, perplexity {acc['perplexity']:.3f} vs "
                 f"{acc['perplexity_fp32']:.3f} ({acc['perplexity_ratio'] - 1:+.2%}), "
                 f"max |logit error| {acc['max_abs_logit_error']:.3g}"
@@ -195,7 +208,8 @@ def describe_plan(s: dict) -> str:
         f"{s['arch']}: {s['params'] / 1e6:,.1f}M params, tp {p['tp']}, batch {p['batch_size']}, "
         f"seq {p['sequence_length']}, {p['dtype']}, {p['backend']}/{p['device']}",
         "buckets: " + ", ".join(f"{b['kind']}-{b['length']}" for b in p["buckets"]),
-        f"weights {mib(s['weight_bytes'])}, KV cache {mib(s['kv_cache_bytes'])}",
+        f"weights {mib(s['weight_bytes'])} ({p.get('weights') or p['dtype']}), "
+        f"KV cache {mib(s['kv_cache_bytes'])} ({p.get('kv_cache') or p['dtype']})",
     ]
     moe = s.get("moe")
     if moe:

@@ -16,7 +16,7 @@ from nxdc.model.parallel import shard_layout
 from nxdc.plan import ExportPlan
 from nxdc.spec import ModelSpec
 
-TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def meta_decoder(spec: ModelSpec, plan: ExportPlan) -> Decoder:
@@ -30,6 +30,7 @@ def meta_decoder(spec: ModelSpec, plan: ExportPlan) -> Decoder:
             TORCH_DTYPES[plan.dtype],
             layout=shard_layout(spec, plan.tp),
             weights=plan.weights,
+            kv_dtype=TORCH_DTYPES[plan.kv_format],
         )
 
 

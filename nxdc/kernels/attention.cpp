@@ -1,7 +1,10 @@
-// Decode / verify attention over the static KV cache, for fp32:
+// Decode / verify attention over the static KV cache, fp32 queries and accumulation:
 //
 //   nxdc::attend(q [B, H, R, D], k_cache [B, H, S, D], v_cache [B, H, S, D], positions [B, T])
 //     -> out [B, H, R, D]
+//
+// The caches are float32, float16 or bfloat16 (`nxdc export --kv-cache`); 16-bit keys and values
+// are converted to fp32 in registers as they are read (half the bytes of a memory-bound read).
 //
 // H is the number of KV heads; the R = G * T query rows of a KV head are its G query heads times
 // the T new tokens (row g * T + t), as model/attention.py groups them. Row g * T + t of sequence b
@@ -11,23 +14,41 @@
 // Why not SDPA: PyTorch's CPU flash attention runs each tiny decode block through MKL's sgemm
 // (~55 us per layer at batch 1, ~180 us at batch 8 on our 2-core Zen 5), and reads every slot of
 // the bucket, masked or not. This reads only the slots a row attends to, once per KV head for
-// all of its query rows, and does the work of a layer in a few microseconds.
+// all of its query rows, and scores 8 keys at a time (8 independent FMA chains: one q . k chain
+// is latency-bound).
 //
 // Every row is computed by the same code in the same order whatever B, T, R, S or the thread
 // split, so a verify graph's row equals the decode graph's row bit for bit (greedy speculation
 // relies on it, as on the linear kernels).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
 
-#define NXDC_AVX2 __attribute__((target("avx2,fma")))
+#define NXDC_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+// 8 cache elements as fp32: a plain load, vcvtph2ps, or a 16-bit shift (bf16 is fp32's top half).
+template <typename T>
+NXDC_AVX2 inline __m256 load8(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm256_loadu_ps(p);
+  } else if constexpr (std::is_same_v<T, c10::Half>) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  } else {
+    static_assert(std::is_same_v<T, c10::BFloat16>, "attend: float, Half or BFloat16 caches");
+    const __m256i u = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(u, 16));
+  }
+}
 
 NXDC_AVX2 inline float hsum(__m256 v) {
   __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -36,11 +57,26 @@ NXDC_AVX2 inline float hsum(__m256 v) {
   return _mm_cvtss_f32(lo);
 }
 
-// q . k over D (a multiple of 8): D / 8 FMAs into one vector, then one horizontal sum.
-NXDC_AVX2 inline float dot(const float* a, const float* b, int64_t D) {
-  __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(a), _mm256_loadu_ps(b));
-  for (int64_t d = 8; d < D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), acc);
-  return hsum(acc);
+// Lane j of the result = the sum of the lanes of a[j]; each by the same tree,
+// ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)), whatever j.
+NXDC_AVX2 inline __m256 hsum8(const __m256 (&a)[8]) {
+  // q0: the lane-0..3 and lane-4..7 partial sums of a[0..3] (low / high half); q1: of a[4..7]
+  const __m256 q0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 q1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(q0, q1, 0x20), _mm256_permute2f128_ps(q0, q1, 0x31));
+}
+
+// dst[j] = scale * (q . k[j]) for 8 keys (D a multiple of 8): 8 FMA chains, one transposed sum.
+template <typename T>
+NXDC_AVX2 inline void dot8(const float* q, const T* const (&k)[8], int64_t D, float scale, float* dst) {
+  __m256 acc[8];
+  __m256 qv = _mm256_loadu_ps(q);
+  for (int j = 0; j < 8; ++j) acc[j] = _mm256_mul_ps(qv, load8(k[j]));
+  for (int64_t d = 8; d < D; d += 8) {
+    qv = _mm256_loadu_ps(q + d);
+    for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qv, load8(k[j] + d), acc[j]);
+  }
+  _mm256_storeu_ps(dst, _mm256_mul_ps(hsum8(acc), _mm256_set1_ps(scale)));
 }
 
 // exp(x) for x <= 0 (scores minus their maximum), Cephes' expf: 2^n * p(r), r = x - n ln 2,
@@ -85,35 +121,40 @@ NXDC_AVX2 inline float softmax_row(float* p, int64_t len) {
 }
 
 // o[0..D) = inv * sum_s p[s] v[s]; the D / 8 accumulators stay in registers for D <= 128.
-template <int D>
-NXDC_AVX2 void weighted_sum(float* o, const float* p, const float* v, int64_t len, float inv) {
+template <int D, typename T>
+NXDC_AVX2 void weighted_sum(float* o, const float* p, const T* v, int64_t len, float inv) {
   __m256 acc[D / 8];
   for (int j = 0; j < D / 8; ++j) acc[j] = _mm256_setzero_ps();
   for (int64_t s = 0; s < len; ++s) {
     const __m256 ps = _mm256_set1_ps(p[s]);
-    for (int j = 0; j < D / 8; ++j) acc[j] = _mm256_fmadd_ps(ps, _mm256_loadu_ps(v + s * D + 8 * j), acc[j]);
+    for (int j = 0; j < D / 8; ++j) acc[j] = _mm256_fmadd_ps(ps, load8(v + s * D + 8 * j), acc[j]);
   }
   for (int j = 0; j < D / 8; ++j) _mm256_storeu_ps(o + 8 * j, _mm256_mul_ps(acc[j], _mm256_set1_ps(inv)));
 }
 
-NXDC_AVX2 void weighted_sum_any(float* o, const float* p, const float* v, int64_t len, int64_t D, float inv) {
+template <typename T>
+NXDC_AVX2 void weighted_sum_any(float* o, const float* p, const T* v, int64_t len, int64_t D, float inv) {
   for (int64_t j = 0; j < D; j += 8) {
     __m256 acc = _mm256_setzero_ps();
-    for (int64_t s = 0; s < len; ++s) acc = _mm256_fmadd_ps(_mm256_set1_ps(p[s]), _mm256_loadu_ps(v + s * D + j), acc);
+    for (int64_t s = 0; s < len; ++s) acc = _mm256_fmadd_ps(_mm256_set1_ps(p[s]), load8(v + s * D + j), acc);
     _mm256_storeu_ps(o + j, _mm256_mul_ps(acc, _mm256_set1_ps(inv)));
   }
 }
 
 // One (sequence, KV head): rows [R, D] of q against slots of k / v [S, D]; last[r] is the last
 // slot row r attends to. scores: scratch, R rows of n8 floats.
-NXDC_AVX2 void head(const float* q, const float* k, const float* v, float* out, const int64_t* last, int64_t R,
-                    int64_t D, float scale, std::vector<float>& scores) {
+template <typename T>
+NXDC_AVX2 void head(const float* q, const T* k, const T* v, float* out, const int64_t* last, int64_t R, int64_t D,
+                    float scale, std::vector<float>& scores) {
   const int64_t n = *std::max_element(last, last + R) + 1, n8 = (n + 7) / 8 * 8;
   scores.resize(static_cast<size_t>(R * n8));
-  for (int64_t s = 0; s < n; ++s) {  // each key once for all the rows that reach it
-    const float* ks = k + s * D;
+  // Keys in blocks of 8 (past n: key n - 1 again, its score landing in padding), each block for
+  // every row that reaches it; a score depends neither on its block nor on the other rows.
+  for (int64_t s0 = 0; s0 < n; s0 += 8) {
+    const T* ks[8];
+    for (int j = 0; j < 8; ++j) ks[j] = k + std::min<int64_t>(s0 + j, n - 1) * D;
     for (int64_t r = 0; r < R; ++r)
-      if (s <= last[r]) scores[r * n8 + s] = dot(q + r * D, ks, D) * scale;
+      if (s0 <= last[r]) dot8(q + r * D, ks, D, scale, scores.data() + r * n8 + s0);
   }
   for (int64_t r = 0; r < R; ++r) {
     float* p = scores.data() + r * n8;
@@ -131,14 +172,42 @@ NXDC_AVX2 void head(const float* q, const float* k, const float* v, float* out, 
 
 }  // namespace
 
+namespace {
+
+template <typename T>
+void run(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const int64_t* pos, int64_t T_,
+         at::Tensor& out) {
+  const int64_t B = q.size(0), H = q.size(1), R = q.size(2), D = q.size(3), S = kc.size(2);
+  const float* qp = q.data_ptr<float>();
+  const T* kp = kc.data_ptr<T>();
+  const T* vp = vc.data_ptr<T>();
+  float* op = out.data_ptr<float>();
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  // small layers stay on one thread: ~64K multiply-adds of work per task at least
+  const int64_t work = std::max<int64_t>(1, R * D * (*std::max_element(pos, pos + B * T_) + 1));
+  const int64_t grain = std::max<int64_t>(1, (64 * 1024) / work);
+  at::parallel_for(0, B * H, grain, [&](int64_t u0, int64_t u1) {
+    std::vector<float> scores;
+    std::vector<int64_t> last(static_cast<size_t>(R));
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t b = u / H;
+      for (int64_t r = 0; r < R; ++r) last[r] = pos[b * T_ + r % T_];
+      head<T>(qp + u * R * D, kp + u * S * D, vp + u * S * D, op + u * R * D, last.data(), R, D, scale, scores);
+    }
+  });
+}
+
+}  // namespace
+
 at::Tensor attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                   const at::Tensor& positions) {
   TORCH_CHECK(q.dim() == 4 && k_cache.dim() == 4 && v_cache.dim() == 4 && positions.dim() == 2,
               "attend: expected q [B, H, R, D], caches [B, H, S, D], positions [B, T]; got ", q.sizes(), ", ",
               k_cache.sizes(), ", ", positions.sizes());
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
-                  v_cache.scalar_type() == at::kFloat,
-              "attend: fp32 only");
+  const auto kt = k_cache.scalar_type();
+  TORCH_CHECK(q.scalar_type() == at::kFloat, "attend: q must be float32, got ", q.scalar_type());
+  TORCH_CHECK((kt == at::kFloat || kt == at::kHalf || kt == at::kBFloat16) && v_cache.scalar_type() == kt,
+              "attend: caches must be both float32, float16 or bfloat16; got ", kt, " and ", v_cache.scalar_type());
   TORCH_CHECK(positions.scalar_type() == at::kLong, "attend: positions must be int64");
   TORCH_CHECK(q.size(3) % 8 == 0 && q.size(3) > 0, "attend: head_dim must be a multiple of 8, got ", q.size(3));
   const int64_t B = q.size(0), H = q.size(1), R = q.size(2), D = q.size(3), S = k_cache.size(2);
@@ -156,23 +225,12 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
   for (int64_t i = 0; i < B * T; ++i)
     TORCH_CHECK(pos[i] >= 0 && pos[i] < S, "attend: position ", pos[i], " outside the cache (", S, " slots)");
   auto out = at::empty_like(qc);
-  const float* qp = qc.data_ptr<float>();
-  const float* kp = kc.data_ptr<float>();
-  const float* vp = vc.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-  // small layers stay on one thread: ~64K multiply-adds of work per task at least
-  const int64_t work = std::max<int64_t>(1, R * D * (*std::max_element(pos, pos + B * T) + 1));
-  const int64_t grain = std::max<int64_t>(1, (64 * 1024) / work);
-  at::parallel_for(0, B * H, grain, [&](int64_t u0, int64_t u1) {
-    std::vector<float> scores;
-    std::vector<int64_t> last(static_cast<size_t>(R));
-    for (int64_t u = u0; u < u1; ++u) {
-      const int64_t b = u / H;
-      for (int64_t r = 0; r < R; ++r) last[r] = pos[b * T + r % T];
-      head(qp + u * R * D, kp + u * S * D, vp + u * S * D, op + u * R * D, last.data(), R, D, scale, scores);
-    }
-  });
+  if (kt == at::kFloat)
+    run<float>(qc, kc, vc, pos, T, out);
+  else if (kt == at::kHalf)
+    run<c10::Half>(qc, kc, vc, pos, T, out);
+  else
+    run<c10::BFloat16>(qc, kc, vc, pos, T, out);
   return out;
 }
 

@@ -23,7 +23,14 @@ class Attention(nn.Module):
     kernels = False  # nxdc::attend for decode / verify (fp32 on CPU); set by use_kernels
 
     def __init__(
-        self, spec: ModelSpec, layout: ShardLayout, batch: int, max_seq: int, dtype: torch.dtype, device=None
+        self,
+        spec: ModelSpec,
+        layout: ShardLayout,
+        batch: int,
+        max_seq: int,
+        dtype: torch.dtype,
+        device=None,
+        kv_dtype: torch.dtype | None = None,  # the cache's storage (--kv-cache); None: dtype
     ):
         super().__init__()
         # this rank's heads (all of them at tp 1); o_proj's partial sums meet in an all-reduce
@@ -41,14 +48,15 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
         shape = (batch, self.n_kv, max_seq, d)
-        self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=True)
-        self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=True)
+        kv_dtype = kv_dtype or dtype
+        self.register_buffer("k_cache", torch.zeros(shape, dtype=kv_dtype, device=device), persistent=True)
+        self.register_buffer("v_cache", torch.zeros(shape, dtype=kv_dtype, device=device), persistent=True)
 
     def _write(self, cache: torch.Tensor, new: torch.Tensor, positions: torch.Tensor) -> None:
         bsz, n_kv, t, d = new.shape
         rows = torch.arange(bsz * n_kv, device=new.device).view(bsz, n_kv, 1) * self.max_seq
         idx = (rows + positions.view(bsz, 1, t)).reshape(-1)
-        cache.view(-1, d).index_copy_(0, idx, new.reshape(-1, d))
+        cache.view(-1, d).index_copy_(0, idx, new.reshape(-1, d).to(cache.dtype))
 
     def forward(
         self,
@@ -78,10 +86,11 @@ class Attention(nn.Module):
             # decode / verify: each row reads only the slots up to its own position (the mask)
             out = torch.ops.nxdc.attend(qg, self.k_cache, self.v_cache, positions)
         else:
-            if kv_len is None:
-                keys, values = k, v
+            if kv_len is None:  # the new keys / values as the cache holds them (--kv-cache rounds)
+                keys, values = k.to(self.k_cache.dtype), v.to(self.v_cache.dtype)
             else:
                 keys, values = self.k_cache[:, :, :kv_len], self.v_cache[:, :, :kv_len]
+            keys, values = keys.to(q.dtype), values.to(q.dtype)
             s = mask.shape[-1]
             gmask = mask.unsqueeze(2).expand(mask.shape[0], 1, group, t, s).reshape(-1, 1, group * t, s)
             out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=gmask)

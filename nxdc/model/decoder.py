@@ -18,11 +18,20 @@ from nxdc.spec import ModelSpec
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, layout: ShardLayout, batch: int, max_seq: int, dtype, device=None):
+    def __init__(
+        self,
+        spec: ModelSpec,
+        layout: ShardLayout,
+        batch: int,
+        max_seq: int,
+        dtype,
+        device=None,
+        kv_dtype=None,
+    ):
         super().__init__()
         self.tp = layout.tp
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
-        self.self_attn = Attention(spec, layout, batch, max_seq, dtype, device)
+        self.self_attn = Attention(spec, layout, batch, max_seq, dtype, device, kv_dtype)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
         if spec.is_moe:  # sparse experts in place of the MLP (same name, same all-reduce)
             self.mlp = MoE(spec, layout, dtype, device)
@@ -47,13 +56,15 @@ class Decoder(nn.Module):
         device=None,
         layout: ShardLayout | None = None,
         weights: str | None = None,
+        kv_dtype: torch.dtype | None = None,  # the KV cache's storage (None: dtype)
     ):
         super().__init__()
         layout = layout or shard_layout(spec, 1)
         self.spec, self.batch, self.max_seq, self.tp = spec, batch, max_seq, layout.tp
         self.embed_tokens = Embedding(spec.vocab_size, spec.hidden_size, dtype, device)
         self.layers = nn.ModuleList(
-            DecoderLayer(spec, layout, batch, max_seq, dtype, device) for _ in range(spec.num_layers)
+            DecoderLayer(spec, layout, batch, max_seq, dtype, device, kv_dtype)
+            for _ in range(spec.num_layers)
         )
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
         self.lm_head = Linear(spec.hidden_size, layout.vocab, False, dtype, device)

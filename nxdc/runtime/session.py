@@ -128,7 +128,7 @@ class Session:
             consts[PREFIX + "tp_rank"] = torch.tensor([self.rank], dtype=torch.int64, device=self.device)
         s, p = self.spec, self.plan
         shape = (p.batch_size, self.layout.kv, p.sequence_length, s.head_dim)  # as Attention's buffers
-        dtype = TORCH_DTYPES[p.dtype]
+        dtype = TORCH_DTYPES[p.kv_format]
         for i in range(s.num_layers):
             for kind in ("k_cache", "v_cache"):
                 consts[f"{PREFIX}layers.{i}.self_attn.{kind}"] = torch.zeros(
