@@ -92,7 +92,6 @@ def test_kv_cache_option_is_checked_and_keyed(tiny_gqa, tmp_path):
 def test_16_bit_kv_cache_compiled_tp2_with_speculation(
     tiny_gqa, tiny_gqa_export, tmp_path_factory, cache_dir
 ):
-    from parity import nxdc_logits
     from tiny import tiny_tokenizer
 
     from nxdc.export import run_export

@@ -170,12 +170,9 @@ NXDC_AVX2 void head(const float* q, const T* k, const T* v, float* out, const in
   }
 }
 
-}  // namespace
-
-namespace {
-
+// Every (sequence, KV head) of the call, split across threads; `tokens` positions per sequence.
 template <typename T>
-void run(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const int64_t* pos, int64_t T_,
+void run(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const int64_t* pos, int64_t tokens,
          at::Tensor& out) {
   const int64_t B = q.size(0), H = q.size(1), R = q.size(2), D = q.size(3), S = kc.size(2);
   const float* qp = q.data_ptr<float>();
@@ -184,14 +181,14 @@ void run(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const 
   float* op = out.data_ptr<float>();
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   // small layers stay on one thread: ~64K multiply-adds of work per task at least
-  const int64_t work = std::max<int64_t>(1, R * D * (*std::max_element(pos, pos + B * T_) + 1));
+  const int64_t work = std::max<int64_t>(1, R * D * (*std::max_element(pos, pos + B * tokens) + 1));
   const int64_t grain = std::max<int64_t>(1, (64 * 1024) / work);
   at::parallel_for(0, B * H, grain, [&](int64_t u0, int64_t u1) {
     std::vector<float> scores;
     std::vector<int64_t> last(static_cast<size_t>(R));
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t b = u / H;
-      for (int64_t r = 0; r < R; ++r) last[r] = pos[b * T_ + r % T_];
+      for (int64_t r = 0; r < R; ++r) last[r] = pos[b * tokens + r % tokens];
       head<T>(qp + u * R * D, kp + u * S * D, vp + u * S * D, op + u * R * D, last.data(), R, D, scale, scores);
     }
   });
