@@ -28,6 +28,22 @@ def assert_error(args, code, *needles):
         assert n in err, (n, err)
 
 
+@pytest.mark.parametrize(
+    "command, shown",
+    [
+        (["export"], ["[default: 1]", "[default: fp32]", "[default: --dtype]"]),
+        (["generate"], ["[default: cores available]"]),
+        (["cache", "list"], ["[default: local, plus the remote"]),
+    ],
+)
+def test_help_shows_defaults(command, shown):
+    """The "[default: ...]" of a help text is printed, not taken for rich markup and dropped."""
+    res = runner.invoke(app, [*command, "--help"], env={"COLUMNS": "250"})
+    assert res.exit_code == 0, res.output
+    for s in shown:
+        assert s in res.output, s
+
+
 def test_missing_model(tmp_path):
     assert_error(["export", tmp_path / "nope", "-o", tmp_path / "o"], 2, "does not exist")
 

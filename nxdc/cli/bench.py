@@ -17,7 +17,7 @@ def bench(
     batch_sizes: str = typer.Option(
         None,
         "--batch-sizes",
-        help="e.g. 1,4,8 (each <= the export's batch size). [default: each export's batch size]",
+        help="e.g. 1,4,8 (each <= the export's batch size). \\[default: each export's batch size]",
     ),
     prompt_lengths: str = typer.Option(
         "128", "--prompt-lengths", help="Prompt lengths in tokens, e.g. 128,512."

@@ -247,7 +247,7 @@ def _rejected_error(verb: str, rejected: list[dict]) -> None:
 @cli_errors
 def list_(
     where: str = typer.Option(
-        None, "--where", help="local | remote | all. [default: local, plus the remote if one is configured]"
+        None, "--where", help="local | remote | all. \\[default: local, plus the remote if one is configured]"
     ),
     remote: str = REMOTE,
     cache_dir: Path = CACHE_DIR,

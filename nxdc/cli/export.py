@@ -17,38 +17,38 @@ def export(
         None, "-o", "--output", help="Export directory to write (not needed with --dry-run)."
     ),
     config: Path = typer.Option(None, "--config", help="TOML preset (configs/*.toml); flags override it."),
-    tp: int = typer.Option(None, "--tp", help="Tensor-parallel degree. [default: 1]"),
-    batch_size: int = typer.Option(None, "--batch-size", help="Static batch size. [default: 1]"),
+    tp: int = typer.Option(None, "--tp", help="Tensor-parallel degree. \\[default: 1]"),
+    batch_size: int = typer.Option(None, "--batch-size", help="Static batch size. \\[default: 1]"),
     sequence_length: int = typer.Option(
         None,
         "--sequence-length",
-        help="KV-cache length (prompt + new tokens). [default: min(1024, model max)]",
+        help="KV-cache length (prompt + new tokens). \\[default: min(1024, model max)]",
     ),
     max_context_length: int = typer.Option(
-        None, "--max-context-length", help="Largest prompt bucket. [default: sequence length]"
+        None, "--max-context-length", help="Largest prompt bucket. \\[default: sequence length]"
     ),
     min_context_bucket: int = typer.Option(
-        None, "--min-context-bucket", help="Smallest prompt bucket. [default: 128]"
+        None, "--min-context-bucket", help="Smallest prompt bucket. \\[default: 128]"
     ),
     context_buckets: str = typer.Option(
         None, "--context-buckets", help="Explicit prompt buckets, e.g. 128,512."
     ),
     min_decode_bucket: int = typer.Option(
-        None, "--min-decode-bucket", help="Smallest decode cache length. [default: 256]"
+        None, "--min-decode-bucket", help="Smallest decode cache length. \\[default: 256]"
     ),
     decode_buckets: str = typer.Option(
         None, "--decode-buckets", help="Explicit decode cache lengths, e.g. 512,1024."
     ),
-    dtype: str = typer.Option(None, "--dtype", help="fp32 | bf16. [default: fp32]"),
+    dtype: str = typer.Option(None, "--dtype", help="fp32 | bf16. \\[default: fp32]"),
     weights: str = typer.Option(
         None,
         "--weights",
-        help="Weight storage: fp32 | fp16 | bf16 | int8 (activations stay --dtype fp32). [default: --dtype]",
+        help="Weight storage: fp32 | fp16 | bf16 | int8 (activations stay --dtype fp32). \\[default: --dtype]",
     ),
     kv_cache: str = typer.Option(
         None,
         "--kv-cache",
-        help="KV-cache storage: fp32 | fp16 | bf16 (attention still computes in --dtype). [default: --dtype]",
+        help="KV-cache storage: fp32 | fp16 | bf16 (attention still computes in --dtype). \\[default: --dtype]",
     ),
     check_accuracy: bool = typer.Option(
         False,
@@ -58,20 +58,20 @@ def export(
     speculation_length: int = typer.Option(
         None,
         "--speculation-length",
-        help="Add verify graphs scoring K draft tokens per call (speculative decoding). [default: 0]",
+        help="Add verify graphs scoring K draft tokens per call (speculative decoding). \\[default: 0]",
     ),
     num_layers: int = typer.Option(
         None, "--num-layers", help="Keep only the first L layers (a self-draft for speculation)."
     ),
-    backend: str = typer.Option(None, "--backend", help="inductor | neuron. [default: inductor]"),
-    device: str = typer.Option(None, "--device", help="cpu | cuda[:N] (inductor backend). [default: cpu]"),
+    backend: str = typer.Option(None, "--backend", help="inductor | neuron. \\[default: inductor]"),
+    device: str = typer.Option(None, "--device", help="cpu | cuda[:N] (inductor backend). \\[default: cpu]"),
     cache_dir: Path = typer.Option(
         None, "--cache-dir", envvar="NXDC_CACHE_DIR", help="Compile cache directory."
     ),
     remote: str = typer.Option(
         None,
         "--remote",
-        help="Cache remote to pull missing graphs from (docs/cache.md). [default: NXDC_CACHE_REMOTE, then `nxdc cache set-remote`]",
+        help="Cache remote to pull missing graphs from (docs/cache.md). \\[default: NXDC_CACHE_REMOTE, then `nxdc cache set-remote`]",
     ),
     require_cache: bool = typer.Option(
         False,

@@ -24,7 +24,7 @@ def generate(
     stop: list[str] = typer.Option(None, "--stop", help="Stop string; repeatable."),
     chat: bool = typer.Option(False, "--chat", help="Apply the tokenizer's chat template."),
     stream: bool = typer.Option(False, "--stream", help="Print tokens as they come (one prompt)."),
-    threads: int = typer.Option(None, "--threads", help="CPU threads. [default: cores available]"),
+    threads: int = typer.Option(None, "--threads", help="CPU threads. \\[default: cores available]"),
     draft: Path = typer.Option(
         None, "--draft", help="Speculative decoding with this draft export (same tokenizer, --tp 1)."
     ),
@@ -34,7 +34,7 @@ def generate(
         help="Speculative decoding with draft tokens from n-gram matches in the text (max n-gram N).",
     ),
     speculation_length: int = typer.Option(
-        None, "--speculation-length", help="Draft tokens per step. [default: the export's K]"
+        None, "--speculation-length", help="Draft tokens per step. \\[default: the export's K]"
     ),
     json_out: bool = typer.Option(False, "--json", help="Print results and stats as JSON."),
     quiet: bool = typer.Option(False, "-q", "--quiet", help="Only the generated text."),
