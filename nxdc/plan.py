@@ -200,7 +200,7 @@ def make_plan(spec: ModelSpec, opts: ExportOptions, check_device: bool = True) -
         buckets=tuple(buckets),
         speculation_length=k,
         weights=_weight_format(opts),
-        kv_cache=_kv_format(opts),
+        kv_cache=_stored_format(opts.kv_cache, opts.dtype, KV_FORMATS, "--kv-cache"),
         source_num_layers=spec.num_layers if opts.num_layers else None,
     )
 
@@ -235,27 +235,23 @@ def plan_from_config(path: str | os.PathLike, opts: ExportOptions) -> tuple[dict
 WEIGHT_FORMATS = ("fp32", "fp16", "bf16", "int8")
 
 
-def _weight_format(opts: ExportOptions) -> str | None:
-    w = opts.weights
-    if w is None or w == opts.dtype:
+def _stored_format(value: str | None, dtype: str, choices: tuple[str, ...], flag: str) -> str | None:
+    """A storage flag's value, None where it is the compute dtype (the default)."""
+    if value is None or value == dtype:
         return None
-    if w not in WEIGHT_FORMATS:
-        raise UserInputError(f"--weights must be one of {', '.join(WEIGHT_FORMATS)} (got {w!r})")
-    if opts.dtype != "fp32":
+    if value not in choices:
+        raise UserInputError(f"{flag} must be one of {', '.join(choices)} (got {value!r})")
+    return value
+
+
+def _weight_format(opts: ExportOptions) -> str | None:
+    w = _stored_format(opts.weights, opts.dtype, WEIGHT_FORMATS, "--weights")
+    if w is not None and opts.dtype != "fp32":
         raise UserInputError(
             f"--weights {w} needs --dtype fp32 (reduced-precision weights with fp32 activations); "
             f"--dtype {opts.dtype} stores the weights in {opts.dtype}"
         )
     return w
-
-
-def _kv_format(opts: ExportOptions) -> str | None:
-    kv = opts.kv_cache
-    if kv is None or kv == opts.dtype:
-        return None
-    if kv not in KV_FORMATS:
-        raise UserInputError(f"--kv-cache must be one of {', '.join(KV_FORMATS)} (got {kv!r})")
-    return kv
 
 
 def planned_spec(spec: ModelSpec, opts: ExportOptions) -> ModelSpec:

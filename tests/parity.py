@@ -53,3 +53,34 @@ def hf_greedy(hf_model, ids: torch.Tensor, new_tokens: int, pad_token_id: int) -
         pad_token_id=pad_token_id,
     )
     return out[0, ids.shape[1] :].tolist()
+
+
+def tiny_export_check(export, reference_export) -> float:
+    """For an export of the tiny GQA model with verify graphs (any tp): the largest logit
+    difference from ``reference_export`` over teacher-forced prefill + decode, after checking
+    that prompt-lookup speculation (k = 2) reproduces plain greedy token for token."""
+    from tiny import tiny_tokenizer
+
+    from nxdc.generation.loop import generate
+    from nxdc.generation.speculative import PromptLookup, Speculator
+    from nxdc.runtime.session import Session
+    from nxdc.runtime.workers import open_session
+
+    torch.manual_seed(5)
+    ids, lens = torch.randint(3, 256, (2, 24)), [9, 14]
+    ref = Session(reference_export)
+    want = nxdc_logits(ref.prefill, ref.decode, ids, lens)
+    sess = open_session(export)
+    try:
+        got = nxdc_logits(sess.prefill, sess.decode, ids, lens)
+        prompts = ["w1 w2 w3 w4 w1 w2 w3", "w5 w6 w5 w6"]
+        tok = tiny_tokenizer()
+        plain = generate(sess, tok, prompts, max_new_tokens=30, eos_ids=set())
+        spec = generate(
+            sess, tok, prompts, 30, eos_ids=set(), speculator=Speculator(PromptLookup(3), 2, sess)
+        )
+        assert [s.token_ids for s in spec.sequences] == [s.token_ids for s in plain.sequences]
+        assert spec.speculation["accepted"] > 0
+    finally:
+        sess.close()
+    return max(float((a - b).abs().max()) for a, b in zip(want, got, strict=True))
