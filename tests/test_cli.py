@@ -201,6 +201,18 @@ class TestGenerate:
         assert res["stats"]["new_tokens"] == sum(len(r["token_ids"]) for r in res["results"])
         assert res["stats"]["decode_tokens_per_s"] > 0
 
+    def test_stopping_at_the_sequence_length_is_reported(self, tiny_gqa_export):
+        code, out, err = run("generate", tiny_gqa_export, "-p", "w1 w2", "-n", "500", "--json")
+        assert code == 0, err
+        res = json.loads(out)["results"][0]
+        assert res["stop_reason"] == "max_seq"
+        assert res["prompt_tokens"] + len(res["token_ids"]) == 64  # GQA_EXPORT's sequence length
+        code, out, err = run("generate", tiny_gqa_export, "-p", "w1 w2", "-n", "500")
+        assert code == 0, err
+        assert "stopped at the export's sequence length, 64 tokens" in err
+        code, out, err = run("generate", tiny_gqa_export, "-p", "w1 w2", "-n", "5")
+        assert code == 0 and "sequence length" not in err, err
+
     def test_sampling_is_reproducible_with_seed(self, tiny_gqa_export):
         args = [
             "generate",

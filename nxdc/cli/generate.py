@@ -135,6 +135,14 @@ def _generate(
             f"[dim]{st['new_tokens']} new tokens · TTFT {st['ttft_s'] * 1000:.0f} ms · "
             f"decode {st['decode_tokens_per_s']:.1f} tok/s · {session.threads} threads[/]"
         )
+        full = sum(s.stop_reason == "max_seq" for s in res.sequences)
+        if full:
+            which = "" if len(res.sequences) == 1 else f" ({full} of {len(res.sequences)} prompts)"
+            err_console.print(
+                f"[yellow]note:[/] stopped at the export's sequence length, {session.max_seq} tokens "
+                f"(prompt + new){which}; export with a larger --sequence-length for more",
+                soft_wrap=True,
+            )
         if "speculation" in st:
             sp = st["speculation"]
             err_console.print(
