@@ -34,7 +34,7 @@ from nxdc.compile.trace import (
     wants_kernels,
 )
 from nxdc.errors import UnsupportedError, UserInputError
-from nxdc.kernels import kernel_digest
+from nxdc.kernels import LIBRARY, kernel_digest, loaded_library
 from nxdc.kernels.quant import quantize_int8
 from nxdc.manifest import FORMAT, MANIFEST
 from nxdc.model.fused import combine, fused_target, part_shape
@@ -144,6 +144,16 @@ def write_weights(
     return {"path": path.name, "bytes": path.stat().st_size, "sha256": sha256_file(path)}
 
 
+def copy_kernel_library(export_dir: Path) -> dict[str, Any]:
+    """A copy of the loaded kernel library in the export (generate loads it, not whatever build
+    the installed nxdc has: the graphs call exactly the kernels they were compiled against)."""
+    _, lib = loaded_library()
+    dest = export_dir / "kernels" / LIBRARY
+    dest.parent.mkdir()
+    shutil.copy2(lib, dest)
+    return {"path": f"kernels/{LIBRARY}", "sha256": sha256_file(dest), "bytes": dest.stat().st_size}
+
+
 def stored_tensors(name: str, w: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """A weight as the model stores it: cast, or (int8) quantized per output row with its
     ``scale`` beside it (``--weights``, docs/weights.md)."""
@@ -244,6 +254,7 @@ def run_export(
                 weights[f"rank{rank}"] = write_weights(src, spec, plan, rank, path)
         with rep.stage("kernels"):
             kernels = kernel_digest() if wants_kernels(plan) else None
+            kernel_library = copy_kernel_library(tmp) if kernels else None
         decoder = None
 
         def factory():
@@ -281,6 +292,7 @@ def run_export(
                 "plan": plan.to_dict(),
                 "weights": weights,
                 "kernels": kernels,
+                **({"kernel_library": kernel_library} if kernel_library else {}),
                 "artifacts": artifacts,
                 "created": time.time(),
             }

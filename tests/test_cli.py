@@ -4,7 +4,10 @@ paths print what scripts need (--json)."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 from typer.testing import CliRunner
@@ -178,6 +181,48 @@ class TestGenerate:
         with open(d / "artifacts" / "context-16.pt2", "r+b") as f:
             f.write(b"junk")
         assert_error(["generate", d, "-p", "w1"], 2, "corrupt")
+
+    @pytest.fixture
+    def with_kernels(self, copied):
+        m = json.loads((copied / "nxdc.json").read_text())
+        if not m["kernels"]:  # exported without nxdc's kernels: no AVX2/FMA or no compiler here
+            pytest.skip("the tiny export does not use nxdc's CPU kernels on this machine")
+        return copied, m
+
+    def test_export_runs_its_own_kernel_library(self, with_kernels, tmp_path):
+        d, m = with_kernels
+        lib = m["kernel_library"]
+        assert lib["path"] == "kernels/nxdc_kernels.so" and (d / lib["path"]).stat().st_size == lib["bytes"]
+        # Pretend the export came from another nxdc (other kernels) and run it in a fresh process
+        # with an empty cache: it loads its own copy, builds nothing, and generates.
+        m["kernels"] = "0" * 16
+        (d / "nxdc.json").write_text(json.dumps(m))
+        cache = tmp_path / "empty-cache"
+        env = {**os.environ, "NXDC_CACHE_DIR": str(cache)}
+        cmd = [sys.executable, "-c", "from nxdc.cli.main import main; main()", "generate", str(d)]
+        res = subprocess.run(
+            [*cmd, "-p", "w1 w2", "-n", "4", "--json"], env=env, capture_output=True, text=True
+        )
+        assert res.returncode == 0, res.stderr
+        assert len(json.loads(res.stdout)["results"][0]["token_ids"]) == 4
+        assert not (cache / "kernels").exists()
+        # this process already runs this nxdc's kernels: another build cannot join them
+        assert_error(
+            ["generate", d, "-p", "w1"], 2, f"compiled against nxdc kernels {'0' * 16}", "already runs"
+        )
+
+    def test_corrupt_or_missing_kernel_library(self, with_kernels):
+        d, m = with_kernels
+        with open(d / "kernels" / "nxdc_kernels.so", "r+b") as f:
+            f.write(b"junk")
+        assert_error(["generate", d, "-p", "w1"], 2, "kernel library kernels/nxdc_kernels.so is corrupt")
+        (d / "kernels" / "nxdc_kernels.so").unlink()
+        assert_error(["generate", d, "-p", "w1"], 2, "kernels/nxdc_kernels.so is missing")
+        # an export from before exports carried their kernels, made with other kernels
+        del m["kernel_library"]
+        m["kernels"] = "0" * 16
+        (d / "nxdc.json").write_text(json.dumps(m))
+        assert_error(["generate", d, "-p", "w1"], 2, "carries no copy of them", "re-run nxdc export")
 
     @pytest.mark.parametrize(
         "flags, needle",

@@ -17,7 +17,8 @@ first (``ensure_loaded``). AVX-512 and AVX2/FMA paths are chosen at run time.
 The library is compiled from ``SOURCES`` with the system C++ compiler into
 ``<cache>/kernels/<hash>/`` (hash of the sources, torch version and flags), under a file lock.
 Where it cannot be built or the CPU lacks AVX2/FMA, ``ensure_loaded()`` is False and the
-model uses PyTorch's ops instead."""
+model uses PyTorch's ops instead. An export keeps a copy of the library it was compiled against
+and ``generate`` loads that copy (``load_export_library``), not this nxdc's build."""
 
 from __future__ import annotations
 
@@ -58,10 +59,30 @@ def build_dir() -> Path:
     return default_root() / "kernels" / kernel_digest()
 
 
+# The kernel library this process has loaded (one per process: every build registers the same
+# op names): its digest and file. Set by ensure_loaded() or load_export_library().
+_loaded: dict[str, str] = {}
+LIBRARY = "nxdc_kernels.so"
+
+
+def loaded_library() -> tuple[str, Path] | None:
+    """(digest, path) of the kernel library loaded in this process, if any."""
+    return (_loaded["digest"], Path(_loaded["path"])) if _loaded else None
+
+
 @functools.cache
 def ensure_loaded() -> bool:
     """Build (once per machine) and load the kernel library; False where unavailable."""
     if os.environ.get("NXDC_DISABLE_KERNELS", "") not in ("", "0") or not cpu_supported():
+        return False
+    if _loaded:  # an export's own copy, loaded by load_export_library
+        if _loaded["digest"] == kernel_digest():
+            return True
+        log.warning(
+            "this process runs an export's nxdc kernels %s, not this nxdc's %s: using PyTorch's ops",
+            _loaded["digest"],
+            kernel_digest(),
+        )
         return False
     try:
         from filelock import FileLock
@@ -79,13 +100,64 @@ def ensure_loaded() -> bool:
                 build_directory=str(d),
                 verbose=False,
             )
-        if isinstance(so, str):
-            torch.ops.load_library(so)
-        _register_fake()
+        so = so if isinstance(so, str) else str(d / LIBRARY)
+        _load(so, kernel_digest())
         return True
     except Exception as e:  # no compiler, no headers, ...: fall back to PyTorch kernels
         log.warning("nxdc CPU kernels unavailable, using PyTorch's (%s)", e)
         return False
+
+
+def load_export_library(export_dir: Path, digest: str, entry: dict | None, verify: bool = True) -> None:
+    """Load the kernel library an export's graphs were compiled against: the copy in the export
+    (``entry``: path and sha256 in nxdc.json), so an export runs with exactly its own kernels
+    whatever nxdc version is installed, and a machine that only generates needs no compiler.
+    Exports written before the copy existed load this nxdc's build if the digest matches."""
+    from nxdc.cache.keys import sha256_file
+    from nxdc.errors import ExportDirError
+
+    if entry is not None:
+        path = Path(export_dir) / entry["path"]
+        if not path.is_file():
+            raise ExportDirError(
+                f"{export_dir}: kernel library {entry['path']} is missing: re-run nxdc export"
+            )
+        if verify and sha256_file(path) != entry["sha256"]:
+            raise ExportDirError(f"{export_dir}: kernel library {entry['path']} is corrupt (sha256 mismatch)")
+    if _loaded.get("digest") == digest:
+        return
+    if not cpu_supported():
+        raise ExportDirError(
+            f"{export_dir} uses nxdc's CPU kernels, which need AVX2/FMA: re-export here with NXDC_DISABLE_KERNELS=1"
+        )
+    if entry is None:
+        if digest != kernel_digest():
+            raise ExportDirError(
+                f"{export_dir} was compiled against nxdc kernels {digest} and carries no copy of them "
+                f"(this nxdc's are {kernel_digest()}): re-run nxdc export"
+            )
+        if not ensure_loaded():
+            raise ExportDirError(
+                f"{export_dir} uses nxdc's CPU kernels, which cannot be built or run on this machine "
+                f"(needs AVX2/FMA and a C++ compiler): re-export here with NXDC_DISABLE_KERNELS=1"
+            )
+        return
+    if _loaded:
+        raise ExportDirError(
+            f"{export_dir} was compiled against nxdc kernels {digest}, but this process already runs "
+            f"kernels {_loaded['digest']} (from another export or this nxdc): one process runs one "
+            "kernel build; re-export one of them with this nxdc"
+        )
+    try:
+        _load(str(path), digest)
+    except (OSError, RuntimeError) as e:
+        raise ExportDirError(f"{export_dir}: kernel library {entry['path']} does not load here ({e})") from e
+
+
+def _load(path: str, digest: str) -> None:
+    torch.ops.load_library(path)
+    _register_fake()
+    _loaded.update(digest=digest, path=path)
 
 
 def _register_fake() -> None:

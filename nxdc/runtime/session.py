@@ -78,14 +78,12 @@ class Session:
         self.threads = apply_threads(threads)
         self.device = self.plan.device
         backend = get_backend(self.plan.backend, self.device)
-        if self.manifest.get("kernels"):
-            from nxdc.kernels import ensure_loaded
+        if self.manifest.get("kernels"):  # graphs call nxdc::linear_* / attend: load the library
+            from nxdc.kernels import load_export_library
 
-            if not ensure_loaded():  # graphs call nxdc::linear_*: the library must be loaded
-                raise ExportDirError(
-                    f"{self.dir} uses nxdc's CPU kernels, which cannot be built or run on this machine "
-                    f"(needs AVX2/FMA and a C++ compiler): re-export here with NXDC_DISABLE_KERNELS=1"
-                )
+            load_export_library(
+                self.dir, self.manifest["kernels"], self.manifest.get("kernel_library"), verify
+            )
         self.constants = self._constants()
         self.graphs: dict[str, CompiledGraph] = {}
         for name, art in self.manifest["artifacts"].items():
