@@ -145,12 +145,17 @@ def inv_freq(rope: RopeSpec, head_dim: int) -> torch.Tensor:
 
 
 def rope_tables(spec: ModelSpec, max_seq: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables [max_seq, head_dim] in fp32 (cast to the compute dtype at use)."""
-    freq = inv_freq(spec.rope, spec.head_dim)
-    pos = torch.arange(max_seq, dtype=torch.float32)
-    angles = torch.outer(pos, freq)
-    emb = torch.cat([angles, angles], dim=-1)
-    return emb.cos(), emb.sin()
+    """cos/sin tables [max_seq, head_dim] in fp32 (cast to the compute dtype at use), on the
+    default device. Computed on the CPU: under a meta device context (meta_decoder) the ops would
+    run through PyTorch's Python reference kernels, whose first call imports torch._dynamo
+    (~0.9 s of a warm export)."""
+    target = torch.get_default_device()
+    with torch.device("cpu"):
+        freq = inv_freq(spec.rope, spec.head_dim)
+        pos = torch.arange(max_seq, dtype=torch.float32)
+        angles = torch.outer(pos, freq)
+        emb = torch.cat([angles, angles], dim=-1)
+        return emb.cos().to(target), emb.sin().to(target)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -39,22 +39,22 @@ def converted_metadata(path: Path, cache_root: Path | None = None) -> Path:
     version, written to a temp dir and renamed into place."""
     import shutil
     import tempfile
-
-    import transformers
-    from transformers import AutoConfig, AutoTokenizer
+    from importlib.metadata import version
 
     from nxdc.cache.keys import digest
     from nxdc.cache.store import default_root
 
     st = path.stat()
     key = digest(
-        ["gguf-metadata", 1, str(path.resolve()), st.st_size, st.st_mtime_ns, transformers.__version__]
+        ["gguf-metadata", 1, str(path.resolve()), st.st_size, st.st_mtime_ns, version("transformers")]
     )
     d = (cache_root or default_root()) / "sources" / key[:24]
     if (d / "config.json").is_file():
         return d
     d.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=d.parent))
+    from transformers import AutoConfig, AutoTokenizer  # ~1 s to import: only when converting
+
     try:
         try:
             cfg = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)

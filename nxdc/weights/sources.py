@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +51,11 @@ class ModelSource:
         return iter_gguf(self.path, spec)
 
     def save_tokenizer(self, out: Path) -> None:
+        if self.kind == "gguf":  # the converted directory holds what save_pretrained writes
+            for f in self.metadata_dir().iterdir():
+                if f.is_file() and f.name != "config.json":
+                    shutil.copyfile(f, out / f.name)
+            return
         from transformers import AutoTokenizer
 
         try:
