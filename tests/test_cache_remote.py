@@ -676,7 +676,7 @@ def test_machine_b_exports_with_zero_compiles(
     assert (config["local"], config["remote"]) == ("complete", "complete")
     if remote.kind == "file":  # the human table, once
         table = cli("cache", "lookup", tiny_gqa, "--remote", remote.url, "--cache-dir", b).stdout
-        assert "complete" in table and "fp32" in table and "yes" in table
+        assert "complete" in table and "fp32/fp32" in table and "yes" in table
 
 
 @pytest.mark.slow
@@ -797,3 +797,21 @@ def test_export_with_unreachable_remote(tiny_gqa, tmp_path, monkeypatch):
         code=2,
     )
     assert "--require-cache needs a remote" in res.stderr
+
+
+def test_lookup_says_why_a_record_is_not_usable_here():
+    from nxdc.cache.keys import model_code_digest
+    from nxdc.cache.registry import current_namespace, unusable_reason
+    from nxdc.kernels import kernel_digest
+
+    plan = {"backend": "inductor", "device": "cpu"}
+    here = current_namespace(plan)
+    rec = {"code": model_code_digest(), "kernels": kernel_digest(), "namespace": here, "plan": plan}
+    assert unusable_reason(rec) is None
+    assert unusable_reason({**rec, "kernels": None}) is None  # graphs without nxdc's kernels
+    assert unusable_reason({**rec, "code": "0" * 16}) == "other nxdc model code"
+    assert unusable_reason({**rec, "kernels": "0" * 16}) == "other nxdc kernels"
+    other = "inductor-cpu-1.0.0-avx2"
+    assert unusable_reason({**rec, "namespace": other}) == f"built for {other}, this machine is {here}"
+    unknown = {"backend": "no-such-backend", "device": "cpu"}
+    assert unusable_reason({**rec, "plan": unknown}) == "backend or device not available here"

@@ -138,17 +138,23 @@ def current_namespace(plan: dict[str, Any]) -> str | None:
         return None
 
 
-def usable_here(record: dict[str, Any]) -> bool:
-    """Best effort: same backend/device/torch/ISA namespace, same model code, same kernels.
-    (An export recomputes its keys anyway; this only saves a wasted look.)"""
+def unusable_reason(record: dict[str, Any]) -> str | None:
+    """Why this machine's nxdc would not reuse the record's graphs (None: it would). Best
+    effort: same model code, same kernels, same backend/device/torch/ISA namespace. (An export
+    recomputes its keys anyway; this only saves a wasted look.)"""
     from nxdc.cache.keys import model_code_digest
     from nxdc.kernels import kernel_digest
 
     if record.get("code") != model_code_digest():
-        return False
+        return "other nxdc model code"
     if record.get("kernels") not in (None, kernel_digest()):
-        return False
-    return current_namespace(record["plan"]) == record["namespace"]
+        return "other nxdc kernels"
+    here = current_namespace(record["plan"])
+    if here is None:
+        return "backend or device not available here"
+    if here != record["namespace"]:
+        return f"built for {record['namespace']}, this machine is {here}"
+    return None
 
 
 def summarize(record: dict[str, Any]) -> dict[str, Any]:
@@ -160,6 +166,8 @@ def summarize(record: dict[str, Any]) -> dict[str, Any]:
         "batch_size": plan.get("batch_size"),
         "sequence_length": plan.get("sequence_length"),
         "dtype": plan.get("dtype"),
+        "weights": plan.get("weights") or plan.get("dtype"),
+        "kv_cache": plan.get("kv_cache") or plan.get("dtype"),
         "backend": plan.get("backend"),
         "device": plan.get("device"),
         "torch": record.get("torch"),

@@ -22,7 +22,7 @@ from typing import Any
 from filelock import FileLock, Timeout
 
 from nxdc.cache.keys import canonical, digest, sha256_file
-from nxdc.cache.registry import REGISTRY, check_record, load_records, summarize, usable_here, write_record
+from nxdc.cache.registry import REGISTRY, check_record, load_records, summarize, unusable_reason, write_record
 from nxdc.cache.remotes import Remote, RemoteCorrupt, RemoteUnavailable, configured_remote, open_remote
 from nxdc.cache.remotes.base import SAFE_PART
 from nxdc.cache.store import CompileCache, Lookup, verify_entry
@@ -549,7 +549,8 @@ def lookup(cache: CompileCache, model_digest: str, remote: Remote | None = None)
         row["remote"] = (
             None if on_remote is None else _availability(sum((ns, k) in on_remote for k in keys), len(keys))
         )
-        row["usable_here"] = usable_here(rec)
+        row["unusable_reason"] = unusable_reason(rec)
+        row["usable_here"] = row["unusable_reason"] is None
         rows.append(row)
     rows.sort(
         key=lambda r: (not r["usable_here"], r["tp"] or 0, r["batch_size"] or 0, r["sequence_length"] or 0)

@@ -333,7 +333,7 @@ def lookup(
     t = Table(
         title=f"{escape(model)} ({spec.arch}, model digest {spec.digest()})", title_justify="left", box=None
     )
-    cols = ["tp", "batch", "seq", "dtype", "backend", "torch", "graphs", "local"]
+    cols = ["tp", "batch", "seq", "dtype", "weights/kv", "backend", "torch", "graphs", "local"]
     if rem is not None:
         cols.append("remote")
     for c in [*cols, "usable here"]:
@@ -344,6 +344,7 @@ def lookup(
             str(r["batch_size"]),
             str(r["sequence_length"]),
             r["dtype"],
+            f"{r['weights']}/{r['kv_cache']}",
             f"{r['backend']}/{r['device']}",
             str(r["torch"]),
             str(r["graphs"]),
@@ -351,7 +352,7 @@ def lookup(
         ]
         if rem is not None:
             cells.append(r["remote"] or "?")
-        t.add_row(*cells, "yes" if r["usable_here"] else "no (other machine, torch or nxdc)")
+        t.add_row(*cells, "yes" if r["usable_here"] else f"no: {r['unusable_reason']}")
     out_console.print(t)
 
 

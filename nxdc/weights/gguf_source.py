@@ -51,10 +51,10 @@ def converted_metadata(path: Path, cache_root: Path | None = None) -> Path:
     d = (cache_root or default_root()) / "sources" / key[:24]
     if (d / "config.json").is_file():
         return d
-    d.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=d.parent))
     from transformers import AutoConfig, AutoTokenizer  # ~1 s to import: only when converting
 
+    d.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=d.parent))
     try:
         try:
             cfg = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
