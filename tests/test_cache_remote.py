@@ -659,6 +659,7 @@ def test_machine_b_exports_with_zero_compiles(
         1,
     )
     assert (config["local"], config["remote"], config["usable_here"]) == ("none", "complete", True)
+    assert (config["weights"], config["kv_cache"], config["unusable_reason"]) == ("fp32", "fp32", None)
 
     out = tmp_path / "out"
     res = cli("export", tiny_gqa, "-o", out, *gqa_flags(), "--remote", remote.url, "--cache-dir", b, "--json")
@@ -676,7 +677,7 @@ def test_machine_b_exports_with_zero_compiles(
     assert (config["local"], config["remote"]) == ("complete", "complete")
     if remote.kind == "file":  # the human table, once
         table = cli("cache", "lookup", tiny_gqa, "--remote", remote.url, "--cache-dir", b).stdout
-        assert "complete" in table and "fp32/fp32" in table and "yes" in table
+        assert "complete" in table and "fp32" in table and "yes" in table
 
 
 @pytest.mark.slow

@@ -333,18 +333,17 @@ def lookup(
     t = Table(
         title=f"{escape(model)} ({spec.arch}, model digest {spec.digest()})", title_justify="left", box=None
     )
-    cols = ["tp", "batch", "seq", "dtype", "weights/kv", "backend", "torch", "graphs", "local"]
+    cols = ["tp", "batch", "seq", "dtype", "backend", "torch", "graphs", "local"]
     if rem is not None:
         cols.append("remote")
     for c in [*cols, "usable here"]:
-        t.add_column(c)
+        t.add_column(c, overflow="fold")  # a narrow terminal wraps values, never cuts them to "…"
     for r in res["configs"]:
         cells = [
             str(r["tp"]),
             str(r["batch_size"]),
             str(r["sequence_length"]),
-            r["dtype"],
-            f"{r['weights']}/{r['kv_cache']}",
+            _formats(r),
             f"{r['backend']}/{r['device']}",
             str(r["torch"]),
             str(r["graphs"]),
@@ -354,6 +353,14 @@ def lookup(
             cells.append(r["remote"] or "?")
         t.add_row(*cells, "yes" if r["usable_here"] else f"no: {r['unusable_reason']}")
     out_console.print(t)
+
+
+def _formats(r: dict) -> str:
+    """The dtype, and the stored weight / KV-cache formats where they differ from it."""
+    extra = [
+        f"{what} {r[k]}" for what, k in (("weights", "weights"), ("KV", "kv_cache")) if r[k] != r["dtype"]
+    ]
+    return ", ".join([r["dtype"], *extra])
 
 
 @app.command("verify")
