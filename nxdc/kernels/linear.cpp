@@ -11,7 +11,8 @@
 // Streaming kernel (decode, and prefill with AVX-512): every weight is converted to fp32 in
 // registers (a plain load / vcvtph2ps / a 16-bit shift / vpmovsxbd + vcvtdq2ps) right after its
 // load and feeds up to 8 fp32 FMA chains, one per activation row; weight rows are split across
-// threads with at::parallel_for, and a software prefetch stream runs 8 KiB ahead of the weights.
+// threads with at::parallel_for, and two software prefetch streams run ahead of the weights
+// (16 KiB into L2, 2 KiB into L1).
 // M <= 8 is one pass that reads each weight once (memory-bound at M = 1, FMA-bound at M = 8 on
 // 2 Zen 5 cores); larger M runs passes of <= 8 rows over L2-sized tiles of weight rows, so
 // weights still come from DRAM once. Per-row int8 scales multiply the finished dot product;
@@ -103,10 +104,16 @@ struct Args {
 
 // ---------------------------------------------------------------- AVX-512 (16 floats a vector)
 
-// Software prefetch distance, bytes ahead of the weight stream. At M = 8 the loop is compute-bound
-// and the hardware prefetcher alone leaves the stream idle while the FMAs run; ~8 KiB ahead lets
-// memory and compute overlap (SmolLM2 fp16 M=8 step 12.4 -> 7.5 ms on Zen 5; 512 B -> 8 KiB).
-constexpr int64_t PF_BYTES = 8192;
+// Software prefetch, bytes ahead of the weight stream: one stream into L2 far ahead, one into L1
+// close ahead. At M = 8 the loop is compute-bound and the hardware prefetcher alone leaves memory
+// idle while the FMAs run; a prefetch far enough ahead lets memory and compute overlap. A single
+// L1 stream 8 KiB ahead did this on Zen 5 (SmolLM2 fp16 M=8 step 12.4 -> 7.5 ms against 512 B),
+// but on Zen 4 fp32 M=8 still took about memory time plus FMA time; the L2 stream overlaps them
+// (SmolLM2 fp32 M=8 step 32-38 -> 20-22 ms, f16 M=8 17.3 -> 15.1 ms, i8 M=1 6.9 -> 6.3 ms, the
+// rest within noise; bench/kernels.py shapes, 2 threads). The AVX2 path keeps one L1 stream.
+constexpr int64_t PF_L2_BYTES = 16384;
+constexpr int64_t PF_L1_BYTES = 2048;
+constexpr int64_t PF_BYTES_AVX2 = 8192;
 
 template <Fmt F>
 NXDC_AVX512 inline __m512 load16(const typename Store<F>::T* p) {
@@ -203,6 +210,12 @@ NXDC_AVX512 __attribute__((always_inline)) inline void step512(__m512 (&acc)[R][
   }
   for (int m = 0; m < M; ++m) {
     __m512 xv = _mm512_loadu_ps(x + m * K + k);
+    // int8, M >= 4: keep xv in a register. Left alone, gcc folds the load into each of the R
+    // FMAs (R loads of the same vector), and with the two int8 conversion ops per weight vector
+    // the loop then runs out of load/issue slots before FMA slots (SmolLM2 i8 step, M=8:
+    // 16.5 -> 14.7 ms, M=4: 9.2 -> 8.6 ms; for fp32 / fp16 / bf16, and int8 at M=1, pinning
+    // measured slower or the same).
+    if constexpr (F == Fmt::I8 && M >= 4 && R > 1) asm("" : "+v"(xv));
     for (int r = 0; r < R; ++r) acc[r][m] = _mm512_fmadd_ps(wv[r], xv, acc[r][m]);
   }
 }
@@ -242,10 +255,11 @@ NXDC_AVX512 void block512(const Args& a, int64_t n0, int64_t n1) {
   const int64_t KL = K - K % L, K16 = K - K % 16;
   const __mmask16 tail = static_cast<__mmask16>((1u << (K % 16)) - 1u);
   int64_t n = n0;
-  if (R > 1) {  // start the stream: the first PF_BYTES of this thread's rows
+  if (R > 1) {  // start the streams: the first bytes of this thread's rows
     const char* p0 = reinterpret_cast<const char*>(w + n0 * K);
-    const int64_t span = std::min<int64_t>(PF_BYTES, (n1 - n0) * K * static_cast<int64_t>(sizeof(T)));
-    for (int64_t off = 0; off < span; off += 64) _mm_prefetch(p0 + off, _MM_HINT_T0);
+    const int64_t bytes = (n1 - n0) * K * static_cast<int64_t>(sizeof(T));
+    for (int64_t off = 0; off < std::min(PF_L1_BYTES, bytes); off += 64) _mm_prefetch(p0 + off, _MM_HINT_T0);
+    for (int64_t off = PF_L1_BYTES; off < std::min(PF_L2_BYTES, bytes); off += 64) _mm_prefetch(p0 + off, _MM_HINT_T1);
   }
   for (; n + R <= n1; n += R) {
     __m512 acc[R][M];
@@ -257,12 +271,16 @@ NXDC_AVX512 void block512(const Args& a, int64_t n0, int64_t n1) {
       wr[r] = w + (n + r) * K;
       sr[r] = a.scale + (n + r) * a.ng;
     }
-    // The R rows are contiguous: one linear prefetch stream PF bytes ahead of the block start,
-    // R lines per iteration (the rate at which the block's lines are consumed).
-    const char* pf = reinterpret_cast<const char*>(wr[0]) + PF_BYTES;
+    // The R rows are contiguous: linear prefetch streams PF_L1 / PF_L2 bytes ahead of the block
+    // start, R lines each per iteration (the rate at which the block's lines are consumed).
+    const char* pf1 = reinterpret_cast<const char*>(wr[0]) + PF_L1_BYTES;
+    const char* pf2 = reinterpret_cast<const char*>(wr[0]) + PF_L2_BYTES;
     int64_t k = 0;
     for (; k < KL; k += L) {
-      for (int r = 0; r < R; ++r, pf += 64) _mm_prefetch(pf, _MM_HINT_T0);
+      for (int r = 0; r < R; ++r, pf1 += 64, pf2 += 64) {
+        _mm_prefetch(pf2, _MM_HINT_T1);
+        _mm_prefetch(pf1, _MM_HINT_T0);
+      }
       for (int v = 0; v < V; ++v) step512<F, S, R, M>(acc, wr, sr, x, K, a.gidx, k + 16 * v);
     }
     for (; k < K16; k += 16) step512<F, S, R, M>(acc, wr, sr, x, K, a.gidx, k);
@@ -322,7 +340,7 @@ NXDC_AVX2 void block256(const Args& a, int64_t n0, int64_t n1) {
       wr[r] = w + (n + r) * K;
       sr[r] = a.scale + (n + r) * a.ng;
     }
-    const char* pf = reinterpret_cast<const char*>(wr[0]) + PF_BYTES;  // as in block512
+    const char* pf = reinterpret_cast<const char*>(wr[0]) + PF_BYTES_AVX2;  // one L1 stream
     for (int64_t k = 0; k < K8; k += 8) {
       if ((k * static_cast<int64_t>(sizeof(T))) % 64 == 0)  // a new line of every row: R lines ahead
         for (int r = 0; r < R; ++r, pf += 64) _mm_prefetch(pf, _MM_HINT_T0);
@@ -384,11 +402,10 @@ void stream(const Args& a, int64_t M) {
   constexpr int64_t U = 16;
   constexpr int64_t SZ = sizeof(typename Store<F>::T);
   const int64_t K = a.K, N = a.N, units = (N + U - 1) / U;
-  // fp32 at M = 8 (a batch-8 decode step): two passes of 4 rows over each L2-sized tile beat one
-  // pass of 8 (SmolLM2 step 14.7 -> 12.7 ms; at M = 5..7 one pass is as fast or faster):
-  // the stream from memory stalls less behind the FMAs, and every row is summed the same way.
-  const int64_t per_pass = (F == Fmt::F32 && M == 8) ? 4 : 8;
-  const int64_t passes = (M + per_pass - 1) / per_pass;
+  // (fp32 at M = 8 once ran as two passes of 4 rows over each L2-sized tile, which beat one pass
+  // of 8 with the L1-only prefetch; with the L2 stream one pass is faster: SmolLM2 fp32 M=8
+  // step 28.1 -> 20.5 ms on Zen 4.)
+  const int64_t passes = (M + 7) / 8;
   // at least ~64 KiB-pass of weights per thread before splitting: tiny layers stay on one thread
   const int64_t grain = std::max<int64_t>(1, (64 * 1024) / std::max<int64_t>(1, U * K * SZ * passes));
   const int64_t tile = std::max<int64_t>(U, (256 * 1024) / std::max<int64_t>(1, K * SZ) / U * U);
