@@ -45,15 +45,10 @@ def version() -> None:
     typer.echo(f"nxdc {nxdc.__version__} (torch {torch.__version__})")
 
 
-def _terminate(signum, frame):
-    # `kill` (SIGTERM) unwinds like Ctrl-C, so temp dirs are removed and nothing half-written stays
-    raise KeyboardInterrupt
-
-
 def main() -> None:
-    import signal
+    from nxdc import interrupt
 
-    signal.signal(signal.SIGTERM, _terminate)
+    interrupt.install()  # Ctrl-C and `kill` unwind: temp dirs are removed, nothing half-written stays
     app()
 
 
