@@ -45,10 +45,15 @@ def version() -> None:
     typer.echo(f"nxdc {nxdc.__version__} (torch {torch.__version__})")
 
 
-def main() -> None:
-    from nxdc import interrupt
+def _terminate(signum, frame):
+    # `kill` (SIGTERM) unwinds like Ctrl-C, so temp dirs are removed and nothing half-written stays
+    raise KeyboardInterrupt
 
-    interrupt.install()  # Ctrl-C and `kill` unwind: temp dirs are removed, nothing half-written stays
+
+def main() -> None:
+    import signal
+
+    signal.signal(signal.SIGTERM, _terminate)
     app()
 
 

@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from nxdc import interrupt
 from nxdc.errors import UserInputError
 from nxdc.generation.sampling import Sampler, SamplingParams
 from nxdc.generation.stopping import find_stop
@@ -223,7 +222,6 @@ def generate(
         res.token_s.append(time.perf_counter() - t0)
         res.decode_steps += 1
         outs.flush()
-        interrupt.check()  # a Ctrl-C whose KeyboardInterrupt a library call swallowed
     end = time.perf_counter()
     res.decode_s = end - t_decode
     res.total_s = end - t0
