@@ -190,7 +190,15 @@ def test_killed_worker_ends_the_run(tp_exports):
 def test_ctrl_c_stops_every_rank(tp_exports):
     out = tp_exports("smollm2-135m", 2, **SMOLLM2_EXPORT)
     cmd = _streaming_generate(out)
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    p = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+        # a terminal's child gets Ctrl-C's default action; this pytest process may have SIGINT
+        # ignored by then (a library did it), and a child inherits an ignored SIGINT
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     try:
         assert p.stdout.read(1)
         workers = [
