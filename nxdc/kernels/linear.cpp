@@ -12,7 +12,8 @@
 // registers (a plain load / vcvtph2ps / a 16-bit shift / vpmovsxbd + vcvtdq2ps) right after its
 // load and feeds up to 8 fp32 FMA chains, one per activation row; weight rows are split across
 // threads with at::parallel_for, and two software prefetch streams run ahead of the weights
-// (16 KiB into L2, 2 KiB into L1).
+// (16 KiB into L2, 2 KiB into L1) except at M = 1 for fp32 / fp16 / bf16, which reads one row at
+// a time, a single linear stream that the hardware prefetcher follows.
 // M <= 8 is one pass that reads each weight once (memory-bound at M = 1, FMA-bound at M = 8 on
 // 2 Zen 5 cores); larger M runs passes of <= 8 rows over L2-sized tiles of weight rows, so
 // weights still come from DRAM once. Per-row int8 scales multiply the finished dot product;
@@ -273,13 +274,16 @@ NXDC_AVX512 void block512(const Args& a, int64_t n0, int64_t n1) {
     }
     // The R rows are contiguous: linear prefetch streams PF_L1 / PF_L2 bytes ahead of the block
     // start, R lines each per iteration (the rate at which the block's lines are consumed).
+    // R = 1 reads one linear stream, which the hardware prefetcher follows best alone.
     const char* pf1 = reinterpret_cast<const char*>(wr[0]) + PF_L1_BYTES;
     const char* pf2 = reinterpret_cast<const char*>(wr[0]) + PF_L2_BYTES;
     int64_t k = 0;
     for (; k < KL; k += L) {
-      for (int r = 0; r < R; ++r, pf1 += 64, pf2 += 64) {
-        _mm_prefetch(pf2, _MM_HINT_T1);
-        _mm_prefetch(pf1, _MM_HINT_T0);
+      if constexpr (R > 1) {
+        for (int r = 0; r < R; ++r, pf1 += 64, pf2 += 64) {
+          _mm_prefetch(pf2, _MM_HINT_T1);
+          _mm_prefetch(pf1, _MM_HINT_T0);
+        }
       }
       for (int v = 0; v < V; ++v) step512<F, S, R, M>(acc, wr, sr, x, K, a.gidx, k + 16 * v);
     }
@@ -342,7 +346,7 @@ NXDC_AVX2 void block256(const Args& a, int64_t n0, int64_t n1) {
     }
     const char* pf = reinterpret_cast<const char*>(wr[0]) + PF_BYTES_AVX2;  // one L1 stream
     for (int64_t k = 0; k < K8; k += 8) {
-      if ((k * static_cast<int64_t>(sizeof(T))) % 64 == 0)  // a new line of every row: R lines ahead
+      if (R > 1 && (k * static_cast<int64_t>(sizeof(T))) % 64 == 0)  // a new line of every row: R lines ahead
         for (int r = 0; r < R; ++r, pf += 64) _mm_prefetch(pf, _MM_HINT_T0);
       __m256 wv[R];
       for (int r = 0; r < R; ++r) {
@@ -379,10 +383,17 @@ void block(const Args& a, int64_t n0, int64_t n1, bool wide) {
 
 // Weight rows [n0, n1) against a.x's first `rows` (1..8) activation rows; R (weight rows per
 // inner block) shrinks as M grows, keeping R * M accumulators within the register file.
+// At M = 1, fp32 / fp16 / bf16 read one row at a time: the weights are then one linear stream per
+// thread, which the hardware prefetcher alone follows best. Four rows at once with the software
+// prefetch streams were 5-16% slower, and four rows without them 35-85% slower (Zen 4, 2 threads,
+// the 121 matvecs of a SmolLM2 decode step, variants interleaved in one process: fp32
+// 16.3 -> 13.6 ms with the host reading 54 GB/s, 20.9 -> 18.6 ms at 33 GB/s; f16 10.7 -> 9.6 ms;
+// bf16 11.6 -> 11.2 ms; the AVX2 path alike, fp32 22.6 -> 18.6 ms). int8 keeps four rows: a row
+// is only 9 lines, and one row at a time was 33-80% slower (4.9 -> 6.5 ms).
 template <Fmt F, Scale S>
 void rows_block(const Args& a, int64_t rows, int64_t n0, int64_t n1, bool wide) {
   switch (rows) {
-    case 1: block<F, S, 4, 1>(a, n0, n1, wide); break;
+    case 1: block<F, S, F == Fmt::I8 ? 4 : 1, 1>(a, n0, n1, wide); break;
     case 2: block<F, S, 4, 2>(a, n0, n1, wide); break;
     case 3: block<F, S, 3, 3>(a, n0, n1, wide); break;
     case 4: block<F, S, 2, 4>(a, n0, n1, wide); break;
