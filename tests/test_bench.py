@@ -53,6 +53,7 @@ def test_bench_json_schema_and_sanity(tiny_gqa_export, tmp_path):
             "peak_rss_mib",
             "bytes_per_decode_step",
             "fraction_of_read_roofline",
+            "fraction_of_read_roofline_paired",
             "read_bandwidth_gbs",
         ):
             assert r[k] > 0, k

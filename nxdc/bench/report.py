@@ -26,7 +26,7 @@ def table(result: dict) -> Table:
         "prefill tok/s",
         "e2e ms",
         "GB/s used/avail",
-        "roofline",
+        "roofline (paired)",
         "RSS MiB",
     ]
     compare = any("transformers" in r for r in result["rows"])
@@ -46,7 +46,7 @@ def table(result: dict) -> Table:
             f"{r['prefill_tokens_per_s']:.0f}",
             f"{r['e2e_ms']:.0f}",
             f"{r['read_gbs_achieved']:.0f}/{r['read_bandwidth_gbs']:.0f}",
-            f"{100 * r['fraction_of_read_roofline']:.0f}%",
+            f"{100 * r['fraction_of_read_roofline']:.0f}% ({100 * r['fraction_of_read_roofline_paired']:.0f}%)",
             f"{r['peak_rss_mib']:.0f}",
         ]
         if compare:
