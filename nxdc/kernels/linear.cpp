@@ -15,12 +15,14 @@
 // (16 KiB into L2, 2 KiB into L1) except at M = 1 for fp32 / fp16 / bf16, which reads one row at
 // a time, a single linear stream that the hardware prefetcher follows.
 // M <= 8 is one pass that reads each weight once (memory-bound at M = 1, FMA-bound at M = 8 on
-// 2 Zen 5 cores); larger M runs passes of <= 8 rows over L2-sized tiles of weight rows, so
-// weights still come from DRAM once. Per-row int8 scales multiply the finished dot product;
-// per-group scales multiply the converted weight vector (exactly the fp32 q * s of the reference
-// dequantisation). On AVX-512 this beats MKL's sgemm (which takes its AVX2 path on AMD) on
-// Zen 5 at every M we measured, prefill included (SmolLM2 shapes, M = 16..512: 1.3-3.8x), and
-// is at par on Zen 4, whose AVX-512 runs on 256-bit units (M = 16 / 128 / 512: 1.8 / 1.17 / 0.97x).
+// 2 Zen 5 cores); larger M runs passes of <= 6 rows (4 weight rows at a time; AVX2: <= 8) over
+// L2-sized tiles of weight rows, so weights still come from DRAM once. Per-row int8 scales
+// multiply the finished dot product; per-group scales multiply the converted weight vector
+// (exactly the fp32 q * s of the reference dequantisation). On AVX-512 this beats MKL's sgemm
+// (which takes its AVX2 path on AMD) at every M we measured, prefill included: SmolLM2 shapes,
+// M = 16..512, 1.3-3.8x on Zen 5 (8-row passes); on Zen 4, whose AVX-512 runs on 256-bit units,
+// 2.4 / 1.44 / 1.29x at M = 16 / 128 / 512 (bench/kernels.py, 4 x 6 passes; 8-row passes were
+// 1.8 / 1.17 / 0.97x).
 // AVX2-only CPUs, M > 32, where MKL's AVX2 sgemm wins: fp32 calls at::mm; the other formats
 // dequantise blocks of 64-256 weight rows per thread into a small fp32 scratch (never the whole
 // weight) and call at::mm on the block, writing a column slice of out.
@@ -47,7 +49,23 @@
 #define NXDC_AVX2 __attribute__((target("avx2,fma,f16c")))
 #define NXDC_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
 
+namespace nxdc_cpu {
+// NXDC_KERNELS_AVX2=1 forces the AVX2 path (tests use it to cover that path on AVX-512 CPUs).
+// Also read by attention.cpp.
+bool has_avx512() {
+  static const bool yes = [] {
+    const char* e = std::getenv("NXDC_KERNELS_AVX2");
+    if (e && *e && std::strcmp(e, "0") != 0) return false;
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl");
+  }();
+  return yes;
+}
+}  // namespace nxdc_cpu
+
 namespace {
+
+using nxdc_cpu::has_avx512;
 
 enum class Fmt { F32, F16, BF16, I8 };
 enum class Scale { None, Row, Group };
@@ -79,17 +97,6 @@ inline float to_float(typename Store<F>::T v) {
   } else {
     return static_cast<float>(v);
   }
-}
-
-// NXDC_KERNELS_AVX2=1 forces the AVX2 path (tests use it to cover that path on AVX-512 CPUs).
-bool has_avx512() {
-  static const bool yes = [] {
-    const char* e = std::getenv("NXDC_KERNELS_AVX2");
-    if (e && *e && std::strcmp(e, "0") != 0) return false;
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl");
-  }();
-  return yes;
 }
 
 // Per-row bookkeeping shared by both paths: gidx[k / 16] is the scale column of the 16 weights
@@ -404,10 +411,30 @@ void rows_block(const Args& a, int64_t rows, int64_t n0, int64_t n1, bool wide) 
   }
 }
 
-// The streaming kernel for any M: weight rows split across threads in units of 16; M is done in
-// passes of at most 8 activation rows (even split: 9 -> 5 + 4). With one pass each weight is
-// read once from memory; with several, each thread walks its rows in L2-sized tiles and runs
-// every pass over a tile before moving on, so weights still come from DRAM once.
+// One pass of a multi-pass call (M > 8): `rows` (4..8) activation rows against an L2-resident tile
+// of weight rows. With AVX-512, passes are at most 6 rows against 4 weight rows at a time (24
+// accumulators, 10 loads per 24 FMAs), which on Zen 4 runs the SmolLM2 layer shapes at M = 512
+// 1.3x faster than passes of 8 rows against 2 (141 -> 187 GFLOP/s, 2 threads; M = 24..128
+// 1.2-1.3x; fp16 / bf16 / int8 1.1-1.2x at M = 40 and 512). 3 x 8, 4 x 7, 6 x 4 and 4 x 8 were
+// slower; every variant gave the same bits, as each row's sum does not depend on the tiling.
+template <Fmt F, Scale S>
+void pass_block(const Args& a, int64_t rows, int64_t n0, int64_t n1, bool wide) {
+  if (wide) {
+    switch (rows) {
+      case 6: block512<F, S, 4, 6>(a, n0, n1); return;
+      case 5: block512<F, S, 4, 5>(a, n0, n1); return;
+      case 4: block512<F, S, 4, 4>(a, n0, n1); return;
+      default: break;
+    }
+  }
+  rows_block<F, S>(a, rows, n0, n1, wide);
+}
+
+// The streaming kernel for any M: weight rows split across threads in units of 16. M <= 8 is one
+// pass, which reads each weight once from memory; larger M runs passes of at most 6 activation
+// rows with AVX-512 (8 on AVX2), split evenly (9 -> 4 + 5, 16 -> 5 + 5 + 6): each thread walks
+// its rows in L2-sized tiles and runs every pass over a tile before moving on, so weights still
+// come from DRAM once.
 template <Fmt F, Scale S>
 void stream(const Args& a, int64_t M) {
   constexpr int64_t U = 16;
@@ -416,11 +443,12 @@ void stream(const Args& a, int64_t M) {
   // (fp32 at M = 8 once ran as two passes of 4 rows over each L2-sized tile, which beat one pass
   // of 8 with the L1-only prefetch; with the L2 stream one pass is faster: SmolLM2 fp32 M=8
   // step 28.1 -> 20.5 ms on Zen 4.)
-  const int64_t passes = (M + 7) / 8;
+  const bool wide = has_avx512();
+  const int64_t pass_rows = wide ? 6 : 8;
+  const int64_t passes = M <= 8 ? 1 : (M + pass_rows - 1) / pass_rows;
   // at least ~64 KiB-pass of weights per thread before splitting: tiny layers stay on one thread
   const int64_t grain = std::max<int64_t>(1, (64 * 1024) / std::max<int64_t>(1, U * K * SZ * passes));
   const int64_t tile = std::max<int64_t>(U, (256 * 1024) / std::max<int64_t>(1, K * SZ) / U * U);
-  const bool wide = has_avx512();
   at::parallel_for(0, units, grain, [&](int64_t u0, int64_t u1) {
     const int64_t n0 = u0 * U, n1 = std::min(N, u1 * U);
     if (passes == 1) {
@@ -434,7 +462,7 @@ void stream(const Args& a, int64_t M) {
         Args ap = a;
         ap.x = a.x + m0 * K;
         ap.out = a.out + m0 * N;
-        rows_block<F, S>(ap, rows, t0, t1, wide);
+        pass_block<F, S>(ap, rows, t0, t1, wide);
         m0 += rows;
       }
     }
