@@ -1,10 +1,17 @@
-"""``nxdc::attend`` (kernels/attention.cpp), the decode / verify attention over the KV cache:
-equal to masked SDPA in fp64 up to fp32 rounding, for decode (T = 1) and verify (T > 1) shapes,
+"""``nxdc::attend`` (kernels/attention.cpp), the prefill / decode / verify attention over the KV
+cache: equal to masked SDPA in fp64 up to fp32 rounding, for decode (T = 1), verify (T > 1) and
+prefill (T = the prompt, rows in several blocks and threads) shapes,
 per-sequence positions, head dims 64 / 128 / 24, fp32 / fp16 / bf16 caches (read as the fp32
-values they hold); a verify row equals the decode row at the same
-position bit for bit; slots past a row's position are never read; bad input is refused."""
+values they hold); a verify or prefill row equals the decode row at the same position bit for
+bit, and the AVX-512 path (rows two at a time) equals the AVX2 path (one at a time) bit for bit;
+slots past a row's position are never read; bad input is refused."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -38,6 +45,8 @@ def reference(q, k, v, positions):
         (2, 2, 4, 5, 40, 128),
         (3, 1, 2, 3, 17, 24),
         (1, 4, 1, 1, 9, 8),
+        (1, 3, 3, 70, 80, 64),  # prefill-like: 210 rows per KV head, several row blocks
+        (2, 2, 2, 37, 40, 128),
     ],
 )
 def test_matches_masked_sdpa(b, h, g, t, s, d):
@@ -78,6 +87,36 @@ def test_verify_rows_equal_decode_rows_bit_for_bit(cache):
     for j in range(t):
         decode = torch.ops.nxdc.attend(qv[:, :, :, j].contiguous(), k, v, positions[:, j : j + 1])
         assert torch.equal(verify[:, :, :, j], decode)
+
+
+def test_prefill_rows_equal_decode_rows_and_the_avx2_path_bit_for_bit(tmp_path):
+    """A 100-token prefill (positions 0..99, the causal mask) against decode calls at each
+    position, in this process and in one forced onto the AVX2 path (NXDC_KERNELS_AVX2=1), which
+    takes rows one at a time where AVX-512 CPUs take them in pairs: every output bit for bit."""
+    script = textwrap.dedent(
+        """
+        import sys, torch
+        from nxdc.kernels import ensure_loaded
+        assert ensure_loaded()
+        torch.manual_seed(4)
+        b, h, g, t, s, d = 1, 3, 3, 100, 128, 64
+        q, k, v = torch.randn(b, h, g * t, d), torch.randn(b, h, s, d), torch.randn(b, h, s, d)
+        positions = torch.arange(t).view(1, t)
+        prefill = torch.ops.nxdc.attend(q, k, v, positions).view(b, h, g, t, d)
+        for j in range(t):
+            row = q.view(b, h, g, t, d)[:, :, :, j].contiguous()
+            assert torch.equal(prefill[:, :, :, j], torch.ops.nxdc.attend(row, k, v, positions[:, j : j + 1])), j
+        torch.save(prefill, sys.argv[1])
+        """
+    )
+    outs = []
+    for avx2 in ("0", "1"):
+        path = str(tmp_path / f"avx2-{avx2}.pt")
+        env = dict(os.environ, NXDC_KERNELS_AVX2=avx2)
+        res = subprocess.run([sys.executable, "-c", script, path], env=env, capture_output=True, text=True, timeout=600)
+        assert res.returncode == 0, res.stderr[-3000:]
+        outs.append(torch.load(path))
+    assert torch.equal(outs[0], outs[1])
 
 
 def test_slots_past_the_position_are_never_read():

@@ -7,7 +7,7 @@ see ``quant.py``), weights converted in registers, fp32 accumulation, any M. Mem
 decode: every weight is streamed once at the rate of a plain reduction (~2.5x PyTorch's MKL
 sgemv on our CI machine); faster than MKL's sgemm at prefill too (AVX-512).
 
-``nxdc::attend(q, k_cache, v_cache, positions)`` (``attention.cpp``): decode / verify
+``nxdc::attend(q, k_cache, v_cache, positions)`` (``attention.cpp``): prefill, decode and verify
 attention over the static KV cache, reading only the slots each query row attends to.
 
 All are registered with TORCH_LIBRARY, so torch.export captures them and AOTInductor calls

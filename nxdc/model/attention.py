@@ -20,7 +20,7 @@ from nxdc.spec import ModelSpec
 
 
 class Attention(nn.Module):
-    kernels = False  # nxdc::attend for decode / verify (fp32 on CPU); set by use_kernels
+    kernels = False  # nxdc::attend for prefill, decode and verify (fp32 on CPU); set by use_kernels
 
     def __init__(
         self,
@@ -82,8 +82,9 @@ class Attention(nn.Module):
         self._write(self.v_cache, v, positions)
         # [B, Hq, T, D] -> [B, Hkv, G*T, D]: query heads kv*G .. kv*G+G-1 share KV head kv.
         qg = q.reshape(bsz, n_kv, group * t, d)
-        if kv_len is not None and self.kernels and q.dtype == torch.float32 and d % 8 == 0:
-            # decode / verify: each row reads only the slots up to its own position (the mask)
+        if self.kernels and q.dtype == torch.float32 and d % 8 == 0:
+            # each row reads only the slots up to its own position (the mask): decode, verify, and
+            # a fresh prefill, whose keys / values are in the cache by now (and whose mask is causal)
             out = torch.ops.nxdc.attend(qg, self.k_cache, self.v_cache, positions)
         else:
             if kv_len is None:  # the new keys / values as the cache holds them (--kv-cache rounds)
