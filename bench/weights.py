@@ -1,7 +1,8 @@
 """Weight formats side by side (the README's `--weights` table and docs/weights.md): SmolLM2
-exported with fp32 / fp16 / bf16 / int8 weights (fp32 KV cache), and fp16 / int8 weights with an
-fp16 KV cache (`--kv-cache fp16`), at batch 1 and 8; decode measured in one `nxdc bench` run
-(interleaved, same process), accuracy against fp32 on the fixed text.
+exported with fp32 / fp16 / bf16 / int8 weights (fp32 KV cache), fp16 / int8 weights with an
+fp16 KV cache (`--kv-cache fp16`) and bf16 weights with a bf16 one, at batch 1 and 8; decode
+measured in one `nxdc bench` run (interleaved, same process), accuracy against fp32 on the fixed
+text.
 
     .venv/bin/python bench/weights.py [--new-tokens 96] [--runs 3]
 
@@ -17,7 +18,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 FORMATS = ["fp32", "fp16", "bf16", "int8"]
-CONFIGS = [(w, None) for w in FORMATS] + [("fp16", "fp16"), ("int8", "fp16")]  # (weights, KV cache)
+CONFIGS = [(w, None) for w in FORMATS] + [("fp16", "fp16"), ("bf16", "bf16"), ("int8", "fp16")]  # (weights, KV)
 
 
 def label(w: str, kv: str | None) -> str:
