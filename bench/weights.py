@@ -18,7 +18,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 FORMATS = ["fp32", "fp16", "bf16", "int8"]
-CONFIGS = [(w, None) for w in FORMATS] + [("fp16", "fp16"), ("bf16", "bf16"), ("int8", "fp16")]  # (weights, KV)
+CONFIGS = [(w, None) for w in FORMATS] + [
+    ("fp16", "fp16"),
+    ("bf16", "bf16"),
+    ("int8", "fp16"),
+]  # (weights, KV)
 
 
 def label(w: str, kv: str | None) -> str:

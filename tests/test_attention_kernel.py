@@ -113,7 +113,9 @@ def test_prefill_rows_equal_decode_rows_and_the_avx2_path_bit_for_bit(tmp_path):
     for avx2 in ("0", "1"):
         path = str(tmp_path / f"avx2-{avx2}.pt")
         env = dict(os.environ, NXDC_KERNELS_AVX2=avx2)
-        res = subprocess.run([sys.executable, "-c", script, path], env=env, capture_output=True, text=True, timeout=600)
+        res = subprocess.run(
+            [sys.executable, "-c", script, path], env=env, capture_output=True, text=True, timeout=600
+        )
         assert res.returncode == 0, res.stderr[-3000:]
         outs.append(torch.load(path))
     assert torch.equal(outs[0], outs[1])
