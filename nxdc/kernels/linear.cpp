@@ -415,8 +415,9 @@ void rows_block(const Args& a, int64_t rows, int64_t n0, int64_t n1, bool wide) 
 // of weight rows. With AVX-512, passes are at most 6 rows against 4 weight rows at a time (24
 // accumulators, 10 loads per 24 FMAs), which on Zen 4 runs the SmolLM2 layer shapes at M = 512
 // 1.3x faster than passes of 8 rows against 2 (141 -> 187 GFLOP/s, 2 threads; M = 24..128
-// 1.2-1.3x; fp16 / bf16 / int8 1.1-1.2x at M = 40 and 512). 3 x 8, 4 x 7, 6 x 4 and 4 x 8 were
-// slower; every variant gave the same bits, as each row's sum does not depend on the tiling.
+// 1.2-1.3x; fp16 / bf16 / int8 1.0-1.2x at M = 40 and 512). Weight x activation rows of 3 x 8,
+// 4 x 7, 6 x 4, 5 x 5 and 4 x 8 were slower; every variant gave the same bits, as each row's sum
+// does not depend on the tiling.
 template <Fmt F, Scale S>
 void pass_block(const Args& a, int64_t rows, int64_t n0, int64_t n1, bool wide) {
   if (wide) {
