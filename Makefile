@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-stamp
 DEMO_OUT ?= exports/smollm2-135m
 DEMO_PROMPT ?= What are three good reasons to learn a second language?
 
-.PHONY: install demo test test-fast lint bench clean
+.PHONY: install demo test test-fast test-cuda lint bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -25,6 +25,10 @@ test: install
 
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow"
+
+# on a machine with a CUDA GPU (make test skips these where there is none)
+test-cuda: install
+	$(BIN)/python -m pytest -q tests/test_cuda.py
 
 lint: install
 	$(BIN)/ruff check nxdc tests bench

@@ -161,3 +161,17 @@ def test_missing_shard_is_a_clear_error(tmp_path):
     next((tmp_path / "sharded").glob("model-0000*.safetensors")).unlink()
     with pytest.raises(UserInputError, match="missing"):
         safetensors_files(tmp_path / "sharded")
+
+
+def test_extra_inductor_settings_are_checked_and_keyed(monkeypatch):
+    from nxdc.compile.backends.inductor import InductorBackend
+
+    backend = InductorBackend("cpu")
+    plain = backend.key_parts("decode")
+    monkeypatch.setenv("NXDC_INDUCTOR_CONFIG", '{"max_autotune": true}')
+    tuned = backend.key_parts("decode")
+    assert tuned["flags"]["max_autotune"] is True and tuned != plain
+    for bad, why in (("{nope", "not valid JSON"), ("[1]", "JSON object"), ('{"no_such": 1}', "'no_such'")):
+        monkeypatch.setenv("NXDC_INDUCTOR_CONFIG", bad)
+        with pytest.raises(UserInputError, match=why):
+            backend.inductor_configs("decode")

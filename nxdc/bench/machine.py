@@ -10,12 +10,14 @@ import time
 import torch
 
 
-def read_bandwidth_gbs(threads: int, mib: int = 512, reps: int = 8) -> float:
-    """Best-of read-only streaming rate of a large fp32 reduction (what a matvec needs)."""
+def read_bandwidth_gbs(threads: int, mib: int = 512, reps: int = 8, device: str = "cpu") -> float:
+    """Best-of read-only streaming rate of a large fp32 reduction (what a matvec needs), on the
+    host or, for an accelerator's exports, on that device (2 GiB there: far beyond its cache)."""
     torch.set_num_threads(threads)
-    a = torch.ones(mib * 2**20 // 4)
+    on_gpu = torch.device(device).type == "cuda"
+    a = torch.ones((4 * mib if on_gpu else mib) * 2**20 // 4, device=device)
     a.sum()
-    best = min(_timed(a.sum) for _ in range(reps))
+    best = min(_timed(a.sum, on_gpu) for _ in range(reps))
     return a.numel() * 4 / best / 1e9
 
 
@@ -28,9 +30,11 @@ def copy_bandwidth_gbs(threads: int, mib: int = 512, reps: int = 8) -> float:
     return 2 * a.numel() * 4 / best / 1e9
 
 
-def _timed(fn) -> float:
+def _timed(fn, sync: bool = False) -> float:
     t = time.perf_counter()
     fn()
+    if sync:
+        torch.cuda.synchronize()
     return time.perf_counter() - t
 
 

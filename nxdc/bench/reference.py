@@ -36,14 +36,14 @@ def transformers_model(export_dir: Path, manifest: dict):
         )
     if cfg.tie_word_embeddings:
         model.tie_weights()
-    return model
+    return model.to(manifest["plan"]["device"])  # the export's device: same hardware both sides
 
 
 def transformers_generate(model, ids: list[list[int]], new_tokens: int) -> dict:
     """TTFT (a 1-token generate) and decode rate (tokens after the first) of eager generate."""
     import time
 
-    x = torch.tensor(ids)
+    x = torch.tensor(ids, device=model.device)
     kw = dict(attention_mask=torch.ones_like(x), do_sample=False, eos_token_id=None, pad_token_id=0)
     with torch.no_grad():
         t = time.perf_counter()

@@ -5,6 +5,7 @@ user-managed constants handed in at load time, shared by every bucket graph."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,7 @@ from typing import Any
 import torch
 
 from nxdc.compile.backends import check_device
+from nxdc.errors import UserInputError
 
 ARTIFACT = "model.pt2"
 
@@ -23,12 +25,35 @@ def cpu_isa() -> str:
         return "unknown"
 
 
+def extra_configs() -> dict[str, Any]:
+    """``NXDC_INDUCTOR_CONFIG``: a JSON object of further Inductor settings, e.g.
+    ``{"max_autotune": true}``, applied to every graph; like every flag, part of the cache key."""
+    raw = os.environ.get("NXDC_INDUCTOR_CONFIG")
+    if not raw:
+        return {}
+    try:
+        extra = json.loads(raw)
+    except ValueError as e:
+        raise UserInputError(f"NXDC_INDUCTOR_CONFIG is not valid JSON: {e}") from e
+    if not isinstance(extra, dict):
+        raise UserInputError("NXDC_INDUCTOR_CONFIG must be a JSON object of Inductor settings")
+    from torch._inductor import config
+
+    unknown = sorted(set(extra) - set(config.get_config_copy()))
+    if unknown:
+        raise UserInputError(
+            f"NXDC_INDUCTOR_CONFIG: torch {torch.__version__} has no Inductor setting {unknown[0]!r}"
+        )
+    return extra
+
+
 class InductorBackend:
     name = "inductor"
     artifact = ARTIFACT  # the file a cache entry holds
 
     def __init__(self, device: str = "cpu"):
         self.device = check_device(device)
+        extra_configs()  # a bad NXDC_INDUCTOR_CONFIG fails here, before any work
 
     def inductor_configs(self, kind: str | None = None) -> dict[str, Any]:
         """Inductor settings for a graph of bucket ``kind`` (context / decode / verify).
@@ -44,6 +69,7 @@ class InductorBackend:
         }
         if self.device == "cpu" and kind in ("decode", "verify"):
             flags["cpp.threads"] = 1
+        flags.update(extra_configs())
         return flags
 
     def key_parts(self, kind: str | None = None) -> dict[str, Any]:
