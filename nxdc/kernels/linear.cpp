@@ -397,8 +397,25 @@ void block(const Args& a, int64_t n0, int64_t n1, bool wide) {
 // 16.3 -> 13.6 ms with the host reading 54 GB/s, 20.9 -> 18.6 ms at 33 GB/s; f16 10.7 -> 9.6 ms;
 // bf16 11.6 -> 11.2 ms; the AVX2 path alike, fp32 22.6 -> 18.6 ms). int8 keeps four rows: a row
 // is only 9 lines, and one row at a time was 33-80% slower (4.9 -> 6.5 ms).
+//
+// With AVX-512, fp16 / bf16 at M >= 5 and int8 at M >= 3 take more weight rows per block (3-5,
+// up to 24 accumulators: fewer activation loads per FMA, as the prefill passes do). The
+// converted 16-bit and int8 weights make these rows FMA- and issue-bound, not memory-bound.
+// On Zen 4 with 2 threads, the 121 matvecs of a SmolLM2 step took 8-14% less time for
+// fp16 / bf16 at M = 5, 6 and 8 (4% at 7), and 3-12% less for int8 at M = 3..8 (interleaved in one
+// process, the same bits). fp32 stays memory-bound and was 0-5% slower, so it keeps R = 2.
 template <Fmt F, Scale S>
 void rows_block(const Args& a, int64_t rows, int64_t n0, int64_t n1, bool wide) {
+  if (wide && F != Fmt::F32 && rows >= (F == Fmt::I8 ? 3 : 5)) {
+    switch (rows) {
+      case 3: block512<F, S, 5, 3>(a, n0, n1); return;
+      case 4: block512<F, S, 4, 4>(a, n0, n1); return;
+      case 5: block512<F, S, 4, 5>(a, n0, n1); return;
+      case 6: block512<F, S, 4, 6>(a, n0, n1); return;
+      case 7: block512<F, S, 3, 7>(a, n0, n1); return;
+      default: block512<F, S, 3, 8>(a, n0, n1); return;
+    }
+  }
   switch (rows) {
     case 1: block<F, S, F == Fmt::I8 ? 4 : 1, 1>(a, n0, n1, wide); break;
     case 2: block<F, S, 4, 2>(a, n0, n1, wide); break;
