@@ -79,3 +79,11 @@ def test_bench_bad_input(tiny_gqa_export, flags, needle):
     res = CliRunner().invoke(app, ["bench", str(tiny_gqa_export), "--runs", "1", *flags])
     assert res.exit_code == 2, res.stderr
     assert needle in res.stderr and "Traceback" not in res.stderr
+
+
+def test_compare_refuses_int8_weight_exports(tmp_path):
+    from nxdc.bench.reference import transformers_model
+    from nxdc.errors import UserInputError
+
+    with pytest.raises(UserInputError, match="cannot rebuild an int8-weight export"):
+        transformers_model(tmp_path, {"plan": {"tp": 1, "dtype": "fp32", "weights": "int8"}})

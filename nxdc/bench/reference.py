@@ -21,6 +21,11 @@ def transformers_model(export_dir: Path, manifest: dict):
         raise UserInputError(
             f"--compare transformers needs a --tp 1 export ({export_dir} is tp {manifest['plan']['tp']})"
         )
+    if manifest["plan"].get("weights") == "int8":
+        raise UserInputError(
+            f"--compare transformers cannot rebuild an int8-weight export ({export_dir}): "
+            "compare the fp32 export of the same model, or use --check-accuracy at export"
+        )
     dtype = TORCH_DTYPES[manifest["plan"]["dtype"]]
     cfg = AutoConfig.from_pretrained(export_dir)
     model = AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
