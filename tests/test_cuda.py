@@ -40,8 +40,8 @@ def cuda_exports(tiny_gqa, cache_dir, tmp_path_factory):
     return out
 
 
-def _teacher_forced(export, ids, lens, **session):
-    sess = Session(export, **session)
+def _teacher_forced(export, ids, lens):
+    sess = Session(export)
     return nxdc_logits(sess.prefill, sess.decode, ids, lens)
 
 
