@@ -29,6 +29,7 @@ CONFIGS = {
     "fp32-w-bf16": ("fp32", "bf16", (1,)),
     "fp32-w-int8": ("fp32", "int8", (1,)),
 }
+# SmolLM2-135M's config, as overrides of the tiny test model's (tests/tiny.py TINY_BASE)
 SMOLLM2_SHAPE = dict(
     vocab_size=49152,
     hidden_size=576,
@@ -38,10 +39,7 @@ SMOLLM2_SHAPE = dict(
     num_key_value_heads=3,
     max_position_embeddings=8192,
     rope_theta=100000.0,
-    rms_norm_eps=1e-5,
     tie_word_embeddings=True,
-    bos_token_id=1,
-    eos_token_id=2,
 )
 
 
@@ -54,20 +52,12 @@ def source() -> str:
         return "smollm2-135m"
     except UserInputError:
         pass
-    return random_checkpoint(OUT / "smollm2-shaped-random", SMOLLM2_SHAPE)
-
-
-def random_checkpoint(path: Path, shape: dict) -> str:
+    path = OUT / "smollm2-shaped-random"
     if not (path / "config.json").is_file():
-        import torch
-        from transformers import LlamaConfig, LlamaForCausalLM
-
         sys.path.insert(0, str(ROOT / "tests"))
-        from tiny import tiny_tokenizer
+        from tiny import make_tiny_llama
 
-        torch.manual_seed(0)
-        LlamaForCausalLM(LlamaConfig(**shape)).eval().save_pretrained(path)
-        tiny_tokenizer().save_pretrained(path)
+        make_tiny_llama(path, seed=0, **SMOLLM2_SHAPE)
     return str(path)
 
 
