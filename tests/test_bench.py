@@ -58,6 +58,7 @@ def test_bench_json_schema_and_sanity(tiny_gqa_export, tmp_path):
         ):
             assert r[k] > 0, k
         assert r["e2e_ms"] >= r["ttft_ms"]
+        assert 0 <= r["huge_page_fraction"] <= 1
         assert r["transformers"]["decode_tokens_per_s"] > 0
         assert r["ratio_vs_transformers"]["decode_tokens_per_s"] == pytest.approx(
             r["decode_tokens_per_s"] / r["transformers"]["decode_tokens_per_s"]

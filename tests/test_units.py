@@ -175,3 +175,27 @@ def test_extra_inductor_settings_are_checked_and_keyed(monkeypatch):
         monkeypatch.setenv("NXDC_INDUCTOR_CONFIG", bad)
         with pytest.raises(UserInputError, match=why):
             backend.inductor_configs("decode")
+
+
+def test_host_arena_carves_aligned_tensors_from_one_huge_page_mapping():
+    from nxdc.runtime.arena import ALIGN, HUGE, HostArena
+
+    srcs = [
+        torch.randn(3, 5),
+        torch.arange(7, dtype=torch.int8),
+        torch.randn(0, 4),
+        torch.randn(2, dtype=torch.float64),
+    ]
+    arena = HostArena(HostArena.bytes_for(srcs) + HostArena.bytes_for([((2, 3), torch.bfloat16)]))
+    assert arena._bytes.data_ptr() % HUGE == 0
+    copies = [arena.copy(s) for s in srcs]
+    kv = arena.zeros((2, 3), torch.bfloat16)
+    for s, c in zip(srcs, copies, strict=True):
+        assert torch.equal(s, c) and c.dtype == s.dtype and c.is_contiguous()
+        assert c.data_ptr() % ALIGN == 0
+    assert not kv.any() and kv.dtype == torch.bfloat16
+    copies[0].fill_(1.0)  # views of distinct bytes: writing one leaves the others alone
+    assert torch.equal(copies[1], srcs[1]) and torch.equal(copies[3], srcs[3])
+    assert 0 <= arena.huge_bytes() <= arena.size
+    with pytest.raises(RuntimeError, match="full"):
+        arena.empty((1,), torch.float32)

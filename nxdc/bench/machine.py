@@ -9,13 +9,19 @@ import time
 
 import torch
 
+from nxdc.runtime.arena import HostArena
+
 
 def read_bandwidth_gbs(threads: int, mib: int = 512, reps: int = 8, device: str = "cpu") -> float:
     """Best-of read-only streaming rate of a large fp32 reduction (what a matvec needs), on the
     host or, for an accelerator's exports, on that device (2 GiB there: far beyond its cache)."""
     torch.set_num_threads(threads)
     on_gpu = torch.device(device).type == "cuda"
-    a = torch.ones((4 * mib if on_gpu else mib) * 2**20 // 4, device=device)
+    n = (4 * mib if on_gpu else mib) * 2**20 // 4
+    if on_gpu:
+        a = torch.ones(n, device=device)
+    else:  # on huge pages, as a loaded export's weights (nxdc/runtime/arena.py)
+        a = HostArena(n * 4).empty((n,), torch.float32).fill_(1.0)
     a.sum()
     best = min(_timed(a.sum, on_gpu) for _ in range(reps))
     return a.numel() * 4 / best / 1e9
@@ -24,8 +30,9 @@ def read_bandwidth_gbs(threads: int, mib: int = 512, reps: int = 8, device: str 
 def copy_bandwidth_gbs(threads: int, mib: int = 512, reps: int = 8) -> float:
     """Best-of copy rate, counting bytes read plus bytes written (STREAM convention)."""
     torch.set_num_threads(threads)
-    a = torch.ones(mib * 2**20 // 4)
-    b = torch.empty_like(a)
+    arena = HostArena(2 * mib * 2**20)
+    a = arena.empty((mib * 2**20 // 4,), torch.float32).fill_(1.0)
+    b = arena.empty(a.shape, torch.float32)
     best = min(_timed(lambda: b.copy_(a)) for _ in range(reps))
     return 2 * a.numel() * 4 / best / 1e9
 

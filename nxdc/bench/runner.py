@@ -136,6 +136,7 @@ def _measure(sess, tok, ids, new_tokens, runs, warmup, ref, generate, export_dir
         "prefill_tokens_per_s": b * length / ttft,
         "peak_rss_mib": peak_rss_mib(),
         "bytes_per_decode_step": nbytes,
+        "huge_page_fraction": _huge_page_fraction(sess),
     }
     steps_per_s = 1.0 / row["itl_ms"]["p50"] * 1000
     row["read_gbs_achieved"] = steps_per_s * nbytes / 1e9
@@ -161,3 +162,9 @@ def _measure(sess, tok, ids, new_tokens, runs, warmup, ref, generate, export_dir
             "e2e": row["e2e_ms"] / t["e2e_ms"],
         }
     return row
+
+
+def _huge_page_fraction(sess) -> float | None:
+    """Share of the (rank 0) weights + KV cache the kernel backs with huge pages; None off the host."""
+    arena = sess.arena
+    return arena.huge_bytes() / arena.size if arena is not None else None

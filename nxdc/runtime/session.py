@@ -23,6 +23,7 @@ from nxdc.manifest import load_manifest
 from nxdc.model.layers import rope_tables
 from nxdc.model.parallel import shard_layout
 from nxdc.plan import ExportPlan
+from nxdc.runtime.arena import HostArena
 from nxdc.runtime.threads import apply_threads
 from nxdc.spec import ModelSpec
 from nxdc.weights.shard import tied_lm_head
@@ -117,7 +118,27 @@ class Session:
             raise ExportDirError(
                 f"{self.dir}: weights file {path.name} is missing or truncated: re-run nxdc export"
             )
-        consts = {PREFIX + k: v for k, v in load_file(str(path), device=self.device).items()}
+        s, p = self.spec, self.plan
+        kv_shape = (p.batch_size, self.layout.kv, p.sequence_length, s.head_dim)  # as Attention's buffers
+        kv_dtype = TORCH_DTYPES[p.kv_format]
+        kv_names = [
+            f"{PREFIX}layers.{i}.self_attn.{kind}"
+            for i in range(s.num_layers)
+            for kind in ("k_cache", "v_cache")
+        ]
+        loaded = load_file(str(path), device=self.device)
+        if torch.device(self.device).type == "cpu":  # weights + KV cache on huge pages (arena.py)
+            self.arena = HostArena(
+                HostArena.bytes_for(loaded.values())
+                + HostArena.bytes_for([(kv_shape, kv_dtype)] * len(kv_names))
+            )
+            consts = {PREFIX + k: self.arena.copy(v) for k, v in loaded.items()}
+            consts.update({n: self.arena.zeros(kv_shape, kv_dtype) for n in kv_names})
+        else:
+            self.arena = None
+            consts = {PREFIX + k: v for k, v in loaded.items()}
+            consts.update({n: torch.zeros(kv_shape, dtype=kv_dtype, device=self.device) for n in kv_names})
+        del loaded  # drops the file mapping
         if self.spec.tie_word_embeddings:
             embed = consts[PREFIX + "embed_tokens.weight"]
             consts[PREFIX + "lm_head.weight"] = tied_lm_head(embed, self.layout, self.rank)
@@ -128,14 +149,6 @@ class Session:
         consts[PREFIX + "rope_cos"], consts[PREFIX + "rope_sin"] = cos.to(self.device), sin.to(self.device)
         if self.plan.tp > 1:
             consts[PREFIX + "tp_rank"] = torch.tensor([self.rank], dtype=torch.int64, device=self.device)
-        s, p = self.spec, self.plan
-        shape = (p.batch_size, self.layout.kv, p.sequence_length, s.head_dim)  # as Attention's buffers
-        dtype = TORCH_DTYPES[p.kv_format]
-        for i in range(s.num_layers):
-            for kind in ("k_cache", "v_cache"):
-                consts[f"{PREFIX}layers.{i}.self_attn.{kind}"] = torch.zeros(
-                    shape, dtype=dtype, device=self.device
-                )
         return consts
 
     @property
