@@ -18,22 +18,18 @@ Formats: fp32 (nxdc::linear_f32), F.linear (fp32, PyTorch), f16 (nxdc::linear_f1
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
-# 2 MiB-aligned, MADV_HUGEPAGE weight allocations (PyTorch reads this on its first allocation), as
-# the runtime may use for weights; on our 2-core Zen 5 VM the difference was within the noise.
-os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
-
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from nxdc.kernels import ensure_loaded  # noqa: E402
 from nxdc.kernels.quant import quantize_int8  # noqa: E402
+from nxdc.runtime.arena import HostArena  # noqa: E402
 
 HIDDEN, INTER, KV, LAYERS, VOCAB = 576, 1536, 192, 30, 49152
 LAYER_SHAPES = [
@@ -53,17 +49,21 @@ def model_shapes() -> list[tuple[int, int]]:
 
 
 def make_weights(fmt: str, fp32: list[torch.Tensor]) -> list[tuple]:
-    """Per-layer argument tuples (after x) for the format's op."""
+    """Per-layer argument tuples (after x) for the format's op, in one huge-page arena as a
+    loaded export keeps them (nxdc/runtime/arena.py)."""
     if fmt in ("fp32", "F.linear"):
-        return [(w,) for w in fp32]
-    if fmt == "f16":
-        return [(w.to(torch.float16),) for w in fp32]
-    if fmt == "bf16":
-        return [(w.to(torch.bfloat16),) for w in fp32]
-    if fmt.startswith("i8"):
+        args = [(w,) for w in fp32]
+    elif fmt == "f16":
+        args = [(w.to(torch.float16),) for w in fp32]
+    elif fmt == "bf16":
+        args = [(w.to(torch.bfloat16),) for w in fp32]
+    elif fmt.startswith("i8"):
         group = int(fmt[3:]) if fmt.startswith("i8g") else None
-        return [quantize_int8(w, group) for w in fp32]
-    raise ValueError(fmt)
+        args = [quantize_int8(w, group) for w in fp32]
+    else:
+        raise ValueError(fmt)
+    arena = HostArena(HostArena.bytes_for(t for a in args for t in a if isinstance(t, torch.Tensor)))
+    return [tuple(arena.copy(t) if isinstance(t, torch.Tensor) else t for t in a) for a in args]
 
 
 def op_for(fmt: str):

@@ -3,10 +3,12 @@
 Per (export, batch, prompt length): warm-up runs excluded, medians over runs for TTFT,
 decode tokens/s, end-to-end latency and prefill tokens/s; inter-token latency percentiles
 over every step of every run; bytes read per decode step and the share of the measured
-read-bandwidth roofline (the ceiling: the best read bandwidth measured before and after each of
-this configuration's runs, because a shared machine's bandwidth drifts by tens of percent between
-minutes; and, paired, each run against the samples just before and after it); optionally transformers' eager generate on the same weights and
-token ids, interleaved run by run (ratios, because shared machines drift)."""
+read-bandwidth roofline (the ceiling: the best read bandwidth measured just before and after
+each of this configuration's runs, because a shared machine's bandwidth drifts by tens of
+percent between minutes; and, paired, each run against its own two samples). All exports stay
+loaded and the configurations run round-robin, one run each per round, so that drift hits them
+alike; transformers' eager generate on the same weights and token ids (``--compare``) runs
+right after each nxdc run. Ratios, because shared machines drift."""
 
 from __future__ import annotations
 
@@ -60,26 +62,37 @@ def run_bench(
     asked_threads = threads  # tp > 1 exports split the cores over ranks unless told otherwise
     threads = apply_threads(threads)
     info = machine_info(threads)
-    rows = []
-    for d in export_dirs:
-        with contextlib.closing(open_session(d, threads=asked_threads)) as sess:
-            rows += _bench_export(
-                sess, d, batch_sizes, prompt_lengths, new_tokens, runs, warmup, compare, progress, info
-            )
+    with contextlib.ExitStack() as stack:
+        configs: list[_Config] = []
+        for d in export_dirs:
+            sess = stack.enter_context(contextlib.closing(open_session(d, threads=asked_threads)))
+            configs += _configs(sess, d, batch_sizes, prompt_lengths, new_tokens, compare, info["threads"])
+        for c in configs:
+            if progress:
+                progress(f"{c.label}: warm-up")
+            c.warm(warmup)
+        # Round by round, every configuration once per round: a host that drifts between minutes
+        # then shifts all of them alike, and their ratios (batch 8 / batch 1, one export / another)
+        # hold.
+        for r in range(runs):
+            for c in configs:
+                if progress:
+                    progress(f"{c.label}: run {r + 1}/{runs}")
+                c.run_once()
+        rows = [c.row() for c in configs]
     return {"schema": SCHEMA, "machine": info, "rows": rows}
 
 
-def _bench_export(sess, d, batch_sizes, prompt_lengths, new_tokens, runs, warmup, compare, progress, info):
+def _configs(sess, d, batch_sizes, prompt_lengths, new_tokens, compare, threads) -> list[_Config]:
     from nxdc.cli.generate import load_tokenizer
-    from nxdc.generation.loop import generate
 
-    rows = []
     tok = load_tokenizer(d)
     ref = None
     if compare:
         from nxdc.bench.reference import transformers_model
 
         ref = transformers_model(Path(d), sess.manifest)
+    out = []
     for b in batch_sizes or [sess.batch_size]:
         if b > sess.batch_size:
             raise UserInputError(f"{d}: batch {b} exceeds the export's batch size {sess.batch_size}")
@@ -89,79 +102,98 @@ def _bench_export(sess, d, batch_sizes, prompt_lengths, new_tokens, runs, warmup
                     f"{d}: prompt {length} + {new_tokens} new tokens exceeds the sequence length {sess.max_seq}"
                 )
             sess.context_bucket(length)  # clear error if no bucket holds it
-            if progress:
-                progress(f"{Path(d).name}: batch {b}, prompt {length}")
             ids = [synthetic_prompt(tok, length)] * b
-            rows.append(_measure(sess, tok, ids, new_tokens, runs, warmup, ref, generate, d, info["threads"]))
-    return rows
+            out.append(_Config(sess, tok, ids, new_tokens, ref, d, threads))
+    return out
 
 
-def _measure(sess, tok, ids, new_tokens, runs, warmup, ref, generate, export_dir, threads: int) -> dict:
-    from nxdc.bench.machine import read_bandwidth_gbs
-    from nxdc.bench.reference import transformers_generate
+class _Config:
+    """One (export, batch, prompt length): its runs, and the read-bandwidth samples around them."""
 
-    b, length = len(ids), len(ids[0])
-    for _ in range(warmup):
-        generate(sess, tok, [""] * b, new_tokens, eos_ids=set(), prompt_ids=ids)
-        if ref is not None:
-            transformers_generate(ref, ids, 4)
-    ours, theirs, itl = [], [], []
+    def __init__(self, sess, tok, ids, new_tokens, ref, export_dir, threads: int):
+        self.sess, self.tok, self.ids, self.new_tokens = sess, tok, ids, new_tokens
+        self.ref, self.export_dir, self.threads = ref, export_dir, threads
+        self.label = f"{Path(export_dir).name}: batch {len(ids)}, prompt {len(ids[0])}"
+        self.ours, self.theirs, self.itl = [], [], []
+        self.bandwidth: list[list[float]] = []  # [before, after] each run
 
-    def sample() -> float:  # the read ceiling of the device the export runs on
-        return read_bandwidth_gbs(threads, reps=3, device=sess.device)
+    def sample(self) -> float:  # the read ceiling of the device the export runs on
+        from nxdc.bench.machine import read_bandwidth_gbs
 
-    bandwidth = [sample()]  # around every run: the ceiling is the best
-    for _ in range(runs):
-        res = generate(sess, tok, [""] * b, new_tokens, eos_ids=set(), prompt_ids=ids)
-        ours.append(res)
-        itl += res.inter_token_s
-        bandwidth.append(sample())
-        if ref is not None:
-            theirs.append(transformers_generate(ref, ids, new_tokens))
-    med = statistics.median
-    decode_tps = med(r.decode_tokens_per_s for r in ours)
-    ttft = med(r.ttft_s for r in ours)
-    nbytes = step_bytes(sess, length + new_tokens // 2)  # the typical step of the run
-    row = {
-        "export": str(export_dir),
-        "batch": b,
-        "export_batch_size": sess.batch_size,
-        "prompt_tokens": length,
-        "new_tokens": new_tokens,
-        "runs": len(ours),
-        "ttft_ms": ttft * 1000,
-        "itl_ms": {q: float(np.percentile(itl, int(q[1:])) * 1000) for q in ("p50", "p90", "p99")},
-        "decode_tokens_per_s": decode_tps,
-        "e2e_ms": med(r.total_s for r in ours) * 1000,
-        "prefill_tokens_per_s": b * length / ttft,
-        "peak_rss_mib": peak_rss_mib(),
-        "bytes_per_decode_step": nbytes,
-        "huge_page_fraction": _huge_page_fraction(sess),
-    }
-    steps_per_s = 1.0 / row["itl_ms"]["p50"] * 1000
-    row["read_gbs_achieved"] = steps_per_s * nbytes / 1e9
-    row["read_bandwidth_gbs"] = max(bandwidth)
-    row["fraction_of_read_roofline"] = row["read_gbs_achieved"] / row["read_bandwidth_gbs"]
-    # Paired: each run against the better of the two samples taken just before and after it, then
-    # the median over runs. On a host whose read rate moves between minutes, this compares a run
-    # with the machine it ran on; the figure above compares the typical step with the best moment.
-    row["fraction_of_read_roofline_paired"] = med(
-        nbytes / float(np.median(r.inter_token_s)) / 1e9 / max(bandwidth[i], bandwidth[i + 1])
-        for i, r in enumerate(ours)
-    )
-    if theirs:
-        t = {
-            "ttft_ms": med(x["ttft_s"] for x in theirs) * 1000,
-            "decode_tokens_per_s": med(x["decode_tokens_per_s"] for x in theirs),
-            "e2e_ms": med(x["e2e_s"] for x in theirs) * 1000,
+        return read_bandwidth_gbs(self.threads, reps=3, device=self.sess.device)
+
+    def generate(self):
+        from nxdc.generation.loop import generate
+
+        b = len(self.ids)
+        return generate(self.sess, self.tok, [""] * b, self.new_tokens, eos_ids=set(), prompt_ids=self.ids)
+
+    def warm(self, warmup: int) -> None:
+        from nxdc.bench.reference import transformers_generate
+
+        for _ in range(warmup):
+            self.generate()
+            if self.ref is not None:
+                transformers_generate(self.ref, self.ids, 4)
+
+    def run_once(self) -> None:
+        from nxdc.bench.reference import transformers_generate
+
+        before = self.sample()
+        res = self.generate()
+        self.bandwidth.append([before, self.sample()])
+        self.ours.append(res)
+        self.itl += res.inter_token_s
+        if self.ref is not None:
+            self.theirs.append(transformers_generate(self.ref, self.ids, self.new_tokens))
+
+    def row(self) -> dict:
+        sess, ours, theirs, itl, bandwidth = self.sess, self.ours, self.theirs, self.itl, self.bandwidth
+        b, length, new_tokens = len(self.ids), len(self.ids[0]), self.new_tokens
+        med = statistics.median
+        decode_tps = med(r.decode_tokens_per_s for r in ours)
+        ttft = med(r.ttft_s for r in ours)
+        nbytes = step_bytes(sess, length + new_tokens // 2)  # the typical step of the run
+        row = {
+            "export": str(self.export_dir),
+            "batch": b,
+            "export_batch_size": sess.batch_size,
+            "prompt_tokens": length,
+            "new_tokens": new_tokens,
+            "runs": len(ours),
+            "ttft_ms": ttft * 1000,
+            "itl_ms": {q: float(np.percentile(itl, int(q[1:])) * 1000) for q in ("p50", "p90", "p99")},
+            "decode_tokens_per_s": decode_tps,
+            "e2e_ms": med(r.total_s for r in ours) * 1000,
+            "prefill_tokens_per_s": b * length / ttft,
+            "peak_rss_mib": peak_rss_mib(),
+            "bytes_per_decode_step": nbytes,
+            "huge_page_fraction": _huge_page_fraction(sess),
         }
-        row["transformers"] = t
-        row["ratio_vs_transformers"] = {
-            "decode_tokens_per_s": decode_tps / t["decode_tokens_per_s"],
-            "ttft": row["ttft_ms"] / t["ttft_ms"],
-            "e2e": row["e2e_ms"] / t["e2e_ms"],
-        }
-    return row
+        steps_per_s = 1.0 / row["itl_ms"]["p50"] * 1000
+        row["read_gbs_achieved"] = steps_per_s * nbytes / 1e9
+        row["read_bandwidth_gbs"] = max(max(pair) for pair in bandwidth)
+        row["fraction_of_read_roofline"] = row["read_gbs_achieved"] / row["read_bandwidth_gbs"]
+        # Paired: each run against the better of the two samples taken just before and after it, then
+        # the median over runs. On a host whose read rate moves between minutes, this compares a run
+        # with the machine it ran on; the figure above compares the typical step with the best moment.
+        row["fraction_of_read_roofline_paired"] = med(
+            nbytes / float(np.median(r.inter_token_s)) / 1e9 / max(pair)
+            for r, pair in zip(ours, bandwidth, strict=True)
+        )
+        if theirs:
+            t = {
+                "ttft_ms": med(x["ttft_s"] for x in theirs) * 1000,
+                "decode_tokens_per_s": med(x["decode_tokens_per_s"] for x in theirs),
+                "e2e_ms": med(x["e2e_s"] for x in theirs) * 1000,
+            }
+            row["transformers"] = t
+            row["ratio_vs_transformers"] = {
+                "decode_tokens_per_s": decode_tps / t["decode_tokens_per_s"],
+                "ttft": row["ttft_ms"] / t["ttft_ms"],
+                "e2e": row["e2e_ms"] / t["e2e_ms"],
+            }
+        return row
 
 
 def _huge_page_fraction(sess) -> float | None:
