@@ -221,9 +221,10 @@ NXDC_AVX512 __attribute__((always_inline)) inline void step512(__m512 (&acc)[R][
     // int8, M >= 4: keep xv in a register. Left alone, gcc folds the load into each of the R
     // FMAs (R loads of the same vector), and with the two int8 conversion ops per weight vector
     // the loop then runs out of load/issue slots before FMA slots (SmolLM2 i8 step, M=8:
-    // 16.5 -> 14.7 ms, M=4: 9.2 -> 8.6 ms; for fp32 / fp16 / bf16, and int8 at M=1, pinning
-    // measured slower or the same).
-    if constexpr (F == Fmt::I8 && M >= 4 && R > 1) asm("" : "+v"(xv));
+    // 16.5 -> 14.7 ms, M=4: 9.2 -> 8.6 ms; for fp32 / fp16 / bf16 with 2 weight rows, and int8
+    // at M=1, pinning measured slower or the same). fp16 / bf16 in the 3-row blocks (M = 7, 8)
+    // gain from it too: 2-5% off a SmolLM2 step's matvecs (M = 5, 6: mixed, so not there).
+    if constexpr ((F == Fmt::I8 && M >= 4 && R > 1) || (F != Fmt::F32 && R == 3 && M >= 7)) asm("" : "+v"(xv));
     for (int r = 0; r < R; ++r) acc[r][m] = _mm512_fmadd_ps(wv[r], xv, acc[r][m]);
   }
 }
