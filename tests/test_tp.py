@@ -111,6 +111,20 @@ def test_tiny_logits_equal_tp1(tp, tiny_gqa, tiny_gqa_export, tp_exports):
 
 
 @pytest.mark.slow
+def test_bench_runs_tp_exports_one_at_a_time(tiny_gqa, tiny_gqa_export, tp_exports):
+    """One process holds one torch.distributed group: the round-robin bench keeps every tp 1
+    export loaded together but opens tp > 1 exports one after another; rows keep the order of
+    the exports given."""
+    from nxdc.bench.runner import run_bench
+
+    tp2 = tp_exports(str(tiny_gqa), 2, **TINY_TP_EXPORT)
+    tp3 = tp_exports(str(tiny_gqa), 3, **TINY_TP_EXPORT)
+    res = run_bench([tp2, tiny_gqa_export, tp3], prompt_lengths=[8], new_tokens=4, runs=1, warmup=0)
+    assert [r["export"] for r in res["rows"]] == [str(tp2), str(tiny_gqa_export), str(tp3)]
+    assert all(r["decode_tokens_per_s"] > 0 and r["runs"] == 1 for r in res["rows"])
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("tp", [2, 3])
 def test_smollm2_logits_and_greedy_equal_tp1(tp, smollm2_export, tp_exports):
     from transformers import AutoTokenizer

@@ -5,9 +5,9 @@ decode tokens/s, end-to-end latency and prefill tokens/s; inter-token latency pe
 over every step of every run; bytes read per decode step and the share of the measured
 read-bandwidth roofline (the ceiling: the best read bandwidth measured just before and after
 each of this configuration's runs, because a shared machine's bandwidth drifts by tens of
-percent between minutes; and, paired, each run against its own two samples). All exports stay
-loaded and the configurations run round-robin, one run each per round, so that drift hits them
-alike; transformers' eager generate on the same weights and token ids (``--compare``) runs
+percent between minutes; and, paired, each run against its own two samples). Every tp 1
+export stays loaded and their configurations run round-robin, one run each per round, so that
+drift hits them alike (an export at tp > 1 runs alone: one process group per process); transformers' eager generate on the same weights and token ids (``--compare``) runs
 right after each nxdc run. Ratios, because shared machines drift."""
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import numpy as np
 
 from nxdc.bench.machine import machine_info, peak_rss_mib
 from nxdc.errors import UserInputError
+from nxdc.manifest import load_manifest
 
 SCHEMA = 1
 
@@ -62,28 +63,44 @@ def run_bench(
     asked_threads = threads  # tp > 1 exports split the cores over ranks unless told otherwise
     threads = apply_threads(threads)
     info = machine_info(threads)
-    with contextlib.ExitStack() as stack:
-        configs: list[_Config] = []
-        for d in export_dirs:
-            sess = stack.enter_context(contextlib.closing(open_session(d, threads=asked_threads)))
-            configs += _configs(sess, d, batch_sizes, prompt_lengths, new_tokens, compare, info["threads"])
-        for c in configs:
-            if progress:
-                progress(f"{c.label}: warm-up")
-            c.warm(warmup)
-        # Round by round, every configuration once per round: a host that drifts between minutes
-        # then shifts all of them alike, and their ratios (batch 8 / batch 1, one export / another)
-        # hold.
-        for r in range(runs):
+    # torch.distributed allows one process group per process: exports at tp > 1 run one at a time,
+    # every tp 1 export together.
+    tps = [int(load_manifest(d)["plan"]["tp"]) for d in export_dirs]
+    groups = [[i for i, tp in enumerate(tps) if tp == 1]] + [[i] for i, tp in enumerate(tps) if tp > 1]
+    by_export: dict[int, list[dict]] = {}
+    for group in groups:
+        with contextlib.ExitStack() as stack:
+            configs: list[_Config] = []
+            for i in group:
+                sess = stack.enter_context(
+                    contextlib.closing(open_session(export_dirs[i], threads=asked_threads))
+                )
+                configs += _configs(
+                    sess, export_dirs[i], i, batch_sizes, prompt_lengths, new_tokens, compare, info
+                )
+            _round_robin(configs, runs, warmup, progress)
             for c in configs:
-                if progress:
-                    progress(f"{c.label}: run {r + 1}/{runs}")
-                c.run_once()
-        rows = [c.row() for c in configs]
+                by_export.setdefault(c.index, []).append(c.row())
+    rows = [row for i in range(len(export_dirs)) for row in by_export.get(i, [])]
     return {"schema": SCHEMA, "machine": info, "rows": rows}
 
 
-def _configs(sess, d, batch_sizes, prompt_lengths, new_tokens, compare, threads) -> list[_Config]:
+def _round_robin(configs: list[_Config], runs: int, warmup: int, progress) -> None:
+    """Warm every configuration, then run each once per round: a host that drifts between
+    minutes then shifts all of them alike, and their ratios (batch 8 / batch 1, one export /
+    another) hold."""
+    for c in configs:
+        if progress:
+            progress(f"{c.label}: warm-up")
+        c.warm(warmup)
+    for r in range(runs):
+        for c in configs:
+            if progress:
+                progress(f"{c.label}: run {r + 1}/{runs}")
+            c.run_once()
+
+
+def _configs(sess, d, index, batch_sizes, prompt_lengths, new_tokens, compare, info) -> list[_Config]:
     from nxdc.cli.generate import load_tokenizer
 
     tok = load_tokenizer(d)
@@ -103,16 +120,16 @@ def _configs(sess, d, batch_sizes, prompt_lengths, new_tokens, compare, threads)
                 )
             sess.context_bucket(length)  # clear error if no bucket holds it
             ids = [synthetic_prompt(tok, length)] * b
-            out.append(_Config(sess, tok, ids, new_tokens, ref, d, threads))
+            out.append(_Config(sess, tok, ids, new_tokens, ref, d, index, info["threads"]))
     return out
 
 
 class _Config:
     """One (export, batch, prompt length): its runs, and the read-bandwidth samples around them."""
 
-    def __init__(self, sess, tok, ids, new_tokens, ref, export_dir, threads: int):
+    def __init__(self, sess, tok, ids, new_tokens, ref, export_dir, index: int, threads: int):
         self.sess, self.tok, self.ids, self.new_tokens = sess, tok, ids, new_tokens
-        self.ref, self.export_dir, self.threads = ref, export_dir, threads
+        self.ref, self.export_dir, self.index, self.threads = ref, export_dir, index, threads
         self.label = f"{Path(export_dir).name}: batch {len(ids)}, prompt {len(ids[0])}"
         self.ours, self.theirs, self.itl = [], [], []
         self.bandwidth: list[list[float]] = []  # [before, after] each run
