@@ -5,6 +5,10 @@ there is one. docs/weights.md ("On CUDA") says what has been run where, and with
 
 from __future__ import annotations
 
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
 import pytest
 import torch
 from parity import max_error, nxdc_logits, reference_logits
@@ -24,20 +28,27 @@ pytestmark = [
 SMALL = dict(batch_size=2, sequence_length=32, context_buckets=(16,), decode_buckets=(32,), device="cuda")
 
 
+def _export(job: tuple[str, str, dict]) -> str:
+    src, out, extra = job
+    run_export(src, Path(out), ExportOptions(**SMALL, **extra))
+    return out
+
+
 @pytest.fixture(scope="module")
 def cuda_exports(tiny_gqa, cache_dir, tmp_path_factory):
-    """fp32 (with verify graphs for speculation), bf16, and fp32 with each stored weight format."""
+    """fp32 (with verify graphs for speculation), bf16, and fp32 with each stored weight format,
+    compiled in parallel processes (much of a CUDA compile is single-threaded Python and Triton
+    work; a GPU machine has the cores)."""
     root = tmp_path_factory.mktemp("cuda-exports")
     variants = {
         "fp32": dict(speculation_length=2),
         "bf16": dict(dtype="bf16"),
         **{f"w-{w}": dict(weights=w) for w in TOL},
     }
-    out = {}
-    for name, extra in variants.items():
-        out[name] = root / name
-        run_export(str(tiny_gqa), out[name], ExportOptions(**SMALL, **extra))
-    return out
+    jobs = [(str(tiny_gqa), str(root / name), extra) for name, extra in variants.items()]
+    with ProcessPoolExecutor(len(jobs), mp_context=multiprocessing.get_context("spawn")) as pool:
+        list(pool.map(_export, jobs))
+    return {name: root / name for name in variants}
 
 
 def _teacher_forced(export, ids, lens):
