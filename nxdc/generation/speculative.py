@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from nxdc.errors import UserInputError
-from nxdc.generation.sampling import Sampler
+from nxdc.generation.sampling import Sampler, greedy
 
 
 @dataclass
@@ -139,7 +139,7 @@ class DraftModel:
                     qs[i].append(q)
                     drafts[i].append(int(sampler.draw(q)))
                 else:
-                    drafts[i].append(int(logits[i].argmax()))
+                    drafts[i].append(int(greedy(logits[i])))
         for i, feed in pending.items():
             self.cached[i] = self.cached[i] + [t for t, _ in feed] + drafts[i][:-1]
         return drafts, qs
@@ -206,10 +206,10 @@ def accept(logits: torch.Tensor, draft: list[int], q: list[torch.Tensor] | None,
     whose q is a point mass)."""
     if not sampler.params.do_sample:
         for j, x in enumerate(draft):
-            best = int(logits[j].argmax())
+            best = int(greedy(logits[j]))
             if best != x:
                 return j, best
-        return len(draft), int(logits[len(draft)].argmax())
+        return len(draft), int(greedy(logits[len(draft)]))
     for j, x in enumerate(draft):
         p = sampler.probs(logits[j])
         qx = 1.0 if q is None else float(q[j][x])
