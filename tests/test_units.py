@@ -10,7 +10,7 @@ import torch
 from nxdc.cache.store import CompileCache, verify_entry
 from nxdc.compile.buckets import Bucket, context_buckets, pick_context_bucket
 from nxdc.errors import UnsupportedError, UserInputError
-from nxdc.generation.sampling import SamplingParams, filter_logits
+from nxdc.generation.sampling import SamplingParams, filter_logits, greedy
 from nxdc.generation.stopping import find_stop
 from nxdc.spec import rope_from_config, spec_from_config
 
@@ -110,6 +110,20 @@ def test_top_k_and_top_p_filters():
     assert torch.isfinite(p1).tolist() == [[True, False, False, False, False]]
 
 
+def test_greedy_picks_what_torch_argmax_picks():
+    torch.manual_seed(0)
+    cases = [
+        torch.randn(8, 49152),
+        torch.randn(49152),
+        torch.randn(3, 7).bfloat16(),
+        torch.tensor([[2.0, 5.0, 5.0, 1.0]]),  # ties: the first
+        torch.tensor([1.0, float("nan"), 3.0]),  # a NaN counts as the largest
+    ]
+    for x in cases:
+        got = greedy(x)
+        assert got.dtype == torch.int64 and torch.equal(got, x.argmax(-1)), (x, got)
+
+
 def test_find_stop():
     assert find_stop("hello world", ["wor"]) == 6
     assert find_stop("hello world", ["zzz", "o"]) == 4
@@ -199,3 +213,16 @@ def test_host_arena_carves_aligned_tensors_from_one_huge_page_mapping():
     assert 0 <= arena.huge_bytes() <= arena.size
     with pytest.raises(RuntimeError, match="full"):
         arena.empty((1,), torch.float32)
+
+
+def test_read_samples_keep_their_buffer():
+    """`nxdc bench` samples the read bandwidth around every run; a fresh buffer freed each time
+    stalled a decode step of the next run (docs/performance.md, ITL p99)."""
+    from nxdc.bench import machine
+
+    threads = torch.get_num_threads()  # it sets the thread count: keep this session's
+    assert machine.read_bandwidth_gbs(threads, mib=8, reps=1) > 0
+    kept = dict(machine._READ_BUFFERS)
+    assert machine.read_bandwidth_gbs(threads, mib=8, reps=1) > 0
+    assert machine._READ_BUFFERS.keys() == kept.keys()
+    assert all(machine._READ_BUFFERS[k] is v for k, v in kept.items())
