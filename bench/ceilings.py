@@ -28,9 +28,12 @@ def fma_peak_gflops(threads: int) -> float:
     """Best fp32 FMA rate on ``threads`` threads, either vector width (GFLOP/s, 2 per FMA)."""
     with tempfile.TemporaryDirectory() as tmp:
         exe = Path(tmp) / "fma_peak"
-        subprocess.run(
-            ["gcc", "-O3", "-fopenmp", str(ROOT / "bench" / "fma_peak.c"), "-o", str(exe)], check=True
-        )
+        try:
+            subprocess.run(
+                ["gcc", "-O3", "-fopenmp", str(ROOT / "bench" / "fma_peak.c"), "-o", str(exe)], check=True
+            )
+        except (OSError, subprocess.CalledProcessError) as e:
+            sys.exit(f"error: could not build bench/fma_peak.c with gcc: {e}")
         out = subprocess.run([str(exe), str(threads)], check=True, capture_output=True, text=True).stdout
     rates = [float(g) for bits, t, g in (line.split() for line in out.splitlines()) if int(t) == threads]
     return max(rates)
@@ -52,10 +55,14 @@ def main() -> None:
     exports = args.exports or [
         ROOT / "bench" / "exports" / f"weights-{w}-b1" for w in ("fp32", "fp16", "bf16", "int8")
     ]
-    measured = {}
+    missing = [str(d) for d in exports if not (d / "nxdc.json").is_file()]
+    if missing:
+        sys.exit(f"error: no export at {', '.join(missing)}: run bench/weights.py or pass export directories")
+    measured = {}  # batch-1 rows of the checked-in bench/weights.py run, by export directory
     bench_json = ROOT / "docs" / "bench-weights.json"
     if bench_json.exists():
-        measured = json.loads(bench_json.read_text())["rows"]
+        rows = json.loads(bench_json.read_text())["rows"].values()
+        measured = {Path(r["export"]).resolve(): r for r in rows if r["batch"] == 1}
     peak = fma_peak_gflops(args.threads)
     bw = args.read_gbs or read_bandwidth_gbs(args.threads)
     print(f"FMA peak {peak:.1f} GFLOP/s, read {bw:.1f} GB/s, {args.threads} threads", file=sys.stderr)
@@ -76,7 +83,7 @@ def main() -> None:
         fma = b * 2 * macs / peak / 1e9 * 1e3
         tb = max(t1, fma)
         fmt = plan.weight_format
-        row = measured.get(f"{fmt}-b1")
+        row = measured.get(Path(d).resolve())
         t1m = row["itl_ms"]["p50"] if row else None
         tail = f"{t1m:.2f} | {b * t1m / tb:.1f}× |" if t1m else "– | – |"
         print(
