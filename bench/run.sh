@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Reproduces the performance table (docs/performance.md), docs/bench.json and docs/bench.png
-# from a fresh clone: `make bench` (after `make install`). ~10 min on 2 cores when cold.
+# from a fresh clone: `make bench` (after `make install`). ~15 min on 2 cores when cold.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 NXDC=.venv/bin/nxdc

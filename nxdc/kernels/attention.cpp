@@ -325,23 +325,32 @@ void run(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const 
   // small calls stay on one thread: ~64K multiply-adds of work per thread at least
   const int64_t work = R * D * (*std::max_element(pos, pos + B * tokens) + 1) * B * H;
   const int64_t threads = std::clamp<int64_t>(work / (64 * 1024), 1, std::min<int64_t>(units, at::get_num_threads()));
+  // Unit u: query rows [r0, r0 + rows) of (sequence, KV head) bh; row r attends up to its token's position.
+  struct Unit {
+    int64_t bh, r0, rows;
+  };
+  const auto unit = [&](int64_t u) {
+    const int64_t r0 = (u % blocks) * ROWS;
+    return Unit{u / blocks, r0, std::min(ROWS, R - r0)};
+  };
+  const auto last_slot = [&](const Unit& x, int64_t r) { return pos[x.bh / H * tokens + (x.r0 + r) % tokens]; };
   at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> scores;
     std::vector<int64_t> last(static_cast<size_t>(ROWS));
     for (int64_t t = t0; t < t1; ++t)
       for (int64_t u = t; u < units; u += threads) {
-        const int64_t bh = u / blocks, b = bh / H, r0 = (u % blocks) * ROWS, rows = std::min(ROWS, R - r0);
-        for (int64_t r = 0; r < rows; ++r) last[r] = pos[b * tokens + (r0 + r) % tokens];
-        Next<T> nx;
-        if (const int64_t un = u + threads; un < units) {
-          const int64_t bhn = un / blocks, bn = bhn / H, rn0 = (un % blocks) * ROWS;
-          for (int64_t r = 0, rows_n = std::min(ROWS, R - rn0); r < rows_n; ++r)
-            nx.slots = std::max(nx.slots, pos[bn * tokens + (rn0 + r) % tokens] + 1);
-          nx.k = kp + bhn * S * D;
-          nx.v = vp + bhn * S * D;
+        const Unit cur = unit(u);
+        for (int64_t r = 0; r < cur.rows; ++r) last[r] = last_slot(cur, r);
+        Next<T> nx;  // the unit this thread runs next, to prefetch
+        if (u + threads < units) {
+          const Unit next = unit(u + threads);
+          for (int64_t r = 0; r < next.rows; ++r) nx.slots = std::max(nx.slots, last_slot(next, r) + 1);
+          nx.k = kp + next.bh * S * D;
+          nx.v = vp + next.bh * S * D;
         }
-        (pairs ? head_pairs<T> : head<T>)(qp + (bh * R + r0) * D, kp + bh * S * D, vp + bh * S * D,
-                                          op + (bh * R + r0) * D, last.data(), rows, D, scale, scores, nx);
+        (pairs ? head_pairs<T> : head<T>)(qp + (cur.bh * R + cur.r0) * D, kp + cur.bh * S * D, vp + cur.bh * S * D,
+                                          op + (cur.bh * R + cur.r0) * D, last.data(), cur.rows, D, scale, scores,
+                                          nx);
       }
   });
 }
