@@ -34,7 +34,10 @@ def fma_peak_gflops(threads: int) -> float:
             )
         except (OSError, subprocess.CalledProcessError) as e:
             sys.exit(f"error: could not build bench/fma_peak.c with gcc: {e}")
-        out = subprocess.run([str(exe), str(threads)], check=True, capture_output=True, text=True).stdout
+        run = subprocess.run([str(exe), str(threads)], capture_output=True, text=True)
+        if run.returncode != 0:
+            sys.exit(f"error: bench/fma_peak.c: {run.stderr.strip()}")
+        out = run.stdout
     rates = [float(g) for bits, t, g in (line.split() for line in out.splitlines()) if int(t) == threads]
     return max(rates)
 

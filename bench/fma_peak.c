@@ -47,6 +47,10 @@ int main(int argc, char** argv) {
   const int threads = argc > 1 ? atoi(argv[1]) : 1;
   const long n = argc > 2 ? atol(argv[2]) : 50000000L;
   float sink = 0;
+  if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma")) {
+    fprintf(stderr, "fma_peak: this CPU has no AVX2 + FMA\n");
+    return 2;
+  }
   for (int bits = 256; bits <= 512; bits += 256) {
     if (bits == 512 && !__builtin_cpu_supports("avx512f")) break;
     for (int t = 1; t <= threads; t++) {
