@@ -5,7 +5,7 @@ accumulation stay fp32 whatever `--weights` stores).
 
     .venv/bin/python bench/ceilings.py [EXPORT ...] [--batch 8] [--threads 2] [--read-gbs R]
 
-EXPORT defaults to bench/weights.py's batch-1 exports. The FMA peak comes from
+EXPORT defaults to bench/weights.py's batch-1 exports with an fp32 KV cache. The FMA peak comes from
 bench/fma_peak.c (built here with gcc), the read rate from the bench's own sample
 (`nxdc.bench.machine.read_bandwidth_gbs`). With docs/bench-weights.json present, the last
 columns use the measured batch-1 step (its ITL p50) instead of the read floor. The batch-N floor
@@ -56,7 +56,7 @@ def main() -> None:
     from nxdc.spec import ModelSpec
 
     exports = args.exports or [
-        ROOT / "bench" / "exports" / f"weights-{w}-b1" for w in ("fp32", "fp16", "bf16", "int8")
+        ROOT / "bench" / "exports" / f"weights-{w}-kvfp32-b1" for w in ("fp32", "fp16", "bf16", "int8")
     ]
     missing = [str(d) for d in exports if not (d / "nxdc.json").is_file()]
     if missing:

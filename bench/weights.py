@@ -1,8 +1,8 @@
 """Weight formats side by side (the README's `--weights` table and docs/weights.md): SmolLM2
-exported with fp32 / fp16 / bf16 / int8 weights (fp32 KV cache), fp16 / int8 weights with an
-fp16 KV cache (`--kv-cache fp16`) and bf16 weights with a bf16 one, at batch 1 and 8; decode
-measured in one `nxdc bench` run (interleaved, same process), accuracy against fp32 on the fixed
-text.
+exported with each weight format and its default KV cache (fp32 and int8 weights: fp32; fp16 /
+bf16 weights: the same 16-bit format), plus fp16 / bf16 weights with an fp32 cache and int8
+weights with an fp16 one, at batch 1 and 8; decode measured in one `nxdc bench` run
+(round-robin, same process), accuracy against fp32 on the fixed text.
 
     .venv/bin/python bench/weights.py [--new-tokens 96] [--runs 3]
 
@@ -17,16 +17,19 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-FORMATS = ["fp32", "fp16", "bf16", "int8"]
-CONFIGS = [(w, None) for w in FORMATS] + [
+CONFIGS = [  # (weights, KV cache): the defaults first
+    ("fp32", "fp32"),
     ("fp16", "fp16"),
     ("bf16", "bf16"),
+    ("int8", "fp32"),
+    ("fp16", "fp32"),
+    ("bf16", "fp32"),
     ("int8", "fp16"),
-]  # (weights, KV)
+]
 
 
-def label(w: str, kv: str | None) -> str:
-    return f"{w}-kv{kv}" if kv else w
+def label(w: str, kv: str) -> str:
+    return f"{w}-kv{kv}"
 
 
 def main() -> None:
@@ -39,7 +42,7 @@ def main() -> None:
     from nxdc.accuracy import measure_formats
     from nxdc.bench.runner import run_bench
     from nxdc.export import run_export
-    from nxdc.plan import ExportOptions
+    from nxdc.plan import ExportOptions, stored_kv_cache
 
     batches = [int(b) for b in args.batch_sizes.split(",")]
     dirs = {}
@@ -52,15 +55,10 @@ def main() -> None:
             run_export("smollm2-135m", d, opts)
             dirs[(label(w, kv), b)] = d
     acc = {}
-    for kv in sorted({kv or "fp32" for _, kv in CONFIGS}):
-        fmts = [w for w, k in CONFIGS if (k or "fp32") == kv and (w, k) != ("fp32", None)]
+    for kv in sorted({kv for _, kv in CONFIGS}):
+        fmts = [w for w, k in CONFIGS if k == kv and (w, k) != ("fp32", "fp32")]
         opts = ExportOptions(sequence_length=512, kv_cache=kv)
-        acc.update(
-            {
-                label(r["weights"], None if kv == "fp32" else kv): r
-                for r in measure_formats("smollm2-135m", opts, fmts)
-            }
-        )
+        acc.update({label(r["weights"], kv): r for r in measure_formats("smollm2-135m", opts, fmts)})
     res = run_bench(
         list(dirs.values()),
         prompt_lengths=[128],
@@ -89,7 +87,7 @@ def main() -> None:
             else "– | – | –"
         )
         print(
-            f"| {w} | {kv or 'fp32'} | {mb:.0f} | {r1['decode_tokens_per_s']:.1f} | {r1['fraction_of_read_roofline']:.0%} ({r1['fraction_of_read_roofline_paired']:.0%}) | {r8['decode_tokens_per_s']:.1f} | "
+            f"| {w} | {kv}{' (default)' if (stored_kv_cache(None, w, 'fp32') or 'fp32') == kv else ''} | {mb:.0f} | {r1['decode_tokens_per_s']:.1f} | {r1['fraction_of_read_roofline']:.0%} ({r1['fraction_of_read_roofline_paired']:.0%}) | {r8['decode_tokens_per_s']:.1f} | "
             f"{r8['decode_tokens_per_s'] / r1['decode_tokens_per_s']:.1f}× | {accs} |"
         )
 

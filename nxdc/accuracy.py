@@ -45,11 +45,13 @@ def measure(model: str, opts, text: str = EVAL_TEXT, cache_root: Path | None = N
 def measure_formats(
     model: str, opts, formats: list[str], text: str = EVAL_TEXT, cache_root: Path | None = None
 ) -> list[dict]:
-    """``measure`` for several weight formats (each with ``opts.kv_cache``) against one fp32
-    reference run."""
+    """``measure`` for several weight formats, each with the KV cache an export of it gets
+    (``opts.kv_cache``, or by default ``stored_kv_cache``'s choice), against one fp32 reference
+    run (fp32 weights and cache)."""
     from nxdc.export import prepare, write_weights
+    from nxdc.plan import stored_kv_cache
 
-    kv = opts.kv_cache if opts.kv_cache != "fp32" else None
+    kv = opts.kv_cache
     opts = dataclasses.replace(
         opts, tp=1, batch_size=1, speculation_length=0, weights=None, kv_cache=None, dtype="fp32"
     )
@@ -61,7 +63,7 @@ def measure_formats(
     with tempfile.TemporaryDirectory(prefix="nxdc-accuracy-") as tmp:
         for i, fmt in enumerate(["fp32", *formats]):
             w = None if fmt == "fp32" else fmt
-            p = dataclasses.replace(plan, weights=w, kv_cache=kv if i else None)
+            p = dataclasses.replace(plan, weights=w, kv_cache=stored_kv_cache(kv, w, "fp32") if i else None)
             path = Path(tmp) / f"{i}-{fmt}.safetensors"
             write_weights(src, spec, p, 0, path)
             got = _logits(spec, p, path, ids)

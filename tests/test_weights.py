@@ -210,3 +210,26 @@ def test_int8_weights_under_tp2_and_speculation(tiny_gqa, tiny_gqa_export, tmp_p
     run_export(str(tiny_gqa), out, ExportOptions(tp=2, weights="int8", speculation_length=2, **opts))
     err = tiny_export_check(out, tiny_gqa_export)
     assert 0 < err < TINY_TOL["int8"], err
+
+
+def test_kv_cache_follows_16bit_weights_by_default(tiny_gqa, tmp_path):
+    """fp16 / bf16 weights store the KV cache in their format unless --kv-cache says otherwise;
+    fp32 and int8 weights keep it in the --dtype; the dry run's sizes follow the plan."""
+    r = CliRunner()
+
+    def plan(*flags):
+        res = r.invoke(
+            app, ["export", str(tiny_gqa), "-o", str(tmp_path / "x"), "--dry-run", "--json", *flags]
+        )
+        assert res.exit_code == 0, res.output
+        return json.loads(res.stdout)
+
+    fp32 = plan()
+    for w in ("fp16", "bf16"):
+        s = plan("--weights", w)
+        assert s["plan"]["kv_cache"] == w and 2 * s["kv_cache_bytes"] == fp32["kv_cache_bytes"], s
+        explicit = plan("--weights", w, "--kv-cache", "fp32")
+        assert explicit["plan"]["kv_cache"] is None and explicit["kv_cache_bytes"] == fp32["kv_cache_bytes"]
+    assert plan("--weights", "fp16", "--kv-cache", "bf16")["plan"]["kv_cache"] == "bf16"
+    assert plan("--weights", "int8")["plan"]["kv_cache"] is None
+    assert fp32["plan"]["kv_cache"] is None

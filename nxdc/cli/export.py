@@ -48,7 +48,7 @@ def export(
     kv_cache: str = typer.Option(
         None,
         "--kv-cache",
-        help="KV-cache storage: fp32 | fp16 | bf16 (attention still computes in --dtype). \\[default: --dtype]",
+        help="KV-cache storage: fp32 | fp16 | bf16 (attention still computes in --dtype). \\[default: the --weights format for fp16 / bf16 weights, else --dtype]",
     ),
     check_accuracy: bool = typer.Option(
         False,
