@@ -47,6 +47,16 @@ def test_help_shows_defaults(command, shown):
         assert s in res.output, s
 
 
+def test_version_and_command_list():
+    """`nxdc --version` prints what `nxdc version` does; the command list shows each command's
+    summary as one paragraph (not broken where the docstring's source line ends)."""
+    code, out, _ = run("--version")
+    assert code == 0 and out.startswith("nxdc ") and "torch" in out, out
+    assert run("version")[1] == out
+    res = runner.invoke(app, ["--help"], env={"COLUMNS": "250"})
+    assert res.exit_code == 0 and "Exports made with --tp N run N processes" in res.output, res.output
+
+
 def test_missing_model(tmp_path):
     assert_error(["export", tmp_path / "nope", "-o", tmp_path / "o"], 2, "does not exist")
 

@@ -29,20 +29,43 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-app.command("export")(export)
-app.command("generate")(generate)
-app.command("bench")(bench)
+for _name, _fn in (("export", export), ("generate", generate), ("bench", bench)):
+    # the command list shows the docstring's first paragraph as written: one line per sentence
+    app.command(_name, short_help=" ".join(_fn.__doc__.split("\n\n")[0].split()))(_fn)
 app.add_typer(cache_app, name="cache")
 
 
-@app.command("version")
-def version() -> None:
-    """Print nxdc and torch versions."""
+def _print_version() -> None:
     import torch
 
     import nxdc
 
     typer.echo(f"nxdc {nxdc.__version__} (torch {torch.__version__})")
+
+
+def _version_option(value: bool) -> None:
+    if value:
+        _print_version()
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    show_version: bool = typer.Option(
+        False,
+        "--version",
+        is_eager=True,
+        callback=_version_option,
+        help="Print nxdc and torch versions and exit.",
+    ),
+) -> None:
+    pass
+
+
+@app.command("version")
+def version() -> None:
+    """Print nxdc and torch versions."""
+    _print_version()
 
 
 def _terminate(signum, frame):
