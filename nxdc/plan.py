@@ -190,6 +190,7 @@ def make_plan(spec: ModelSpec, opts: ExportOptions, check_device: bool = True) -
         raise UserInputError(f"--speculation-length {k} needs decode buckets of more than {k + 1} slots")
     if k:  # one verify graph per decode cache length: K+1 tokens scored against the cache
         buckets += [Bucket("verify", n) for n in dec]
+    weights = _weight_format(opts)
     return ExportPlan(
         tp=opts.tp,
         batch_size=opts.batch_size,
@@ -199,8 +200,8 @@ def make_plan(spec: ModelSpec, opts: ExportOptions, check_device: bool = True) -
         device=opts.device,
         buckets=tuple(buckets),
         speculation_length=k,
-        weights=_weight_format(opts),
-        kv_cache=stored_kv_cache(opts.kv_cache, _weight_format(opts), opts.dtype),
+        weights=weights,
+        kv_cache=stored_kv_cache(opts.kv_cache, weights, opts.dtype),
         source_num_layers=spec.num_layers if opts.num_layers else None,
     )
 
