@@ -65,7 +65,7 @@ def main() -> None:
     bench_json = ROOT / "docs" / "bench-weights.json"
     if bench_json.exists():
         rows = json.loads(bench_json.read_text())["rows"].values()
-        measured = {Path(r["export"]).resolve(): r for r in rows if r["batch"] == 1}
+        measured = {(ROOT / r["export"]).resolve(): r for r in rows if r["batch"] == 1}
     peak = fma_peak_gflops(args.threads)
     bw = args.read_gbs or read_bandwidth_gbs(args.threads)
     print(f"FMA peak {peak:.1f} GFLOP/s, read {bw:.1f} GB/s, {args.threads} threads", file=sys.stderr)

@@ -68,6 +68,7 @@ def main() -> None:
     )
     rate = {}
     for row, key in zip(res["rows"], dirs, strict=True):
+        row["export"] = str(Path(row["export"]).resolve().relative_to(ROOT))  # the same in every clone
         rate[key] = row
     out = {"machine": res["machine"], "accuracy": acc, "rows": {f"{c}-b{b}": r for (c, b), r in rate.items()}}
     (ROOT / "docs" / "bench-weights.json").write_text(json.dumps(out, indent=1))
