@@ -29,18 +29,11 @@ import json
 import statistics
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-# nxdc --weights format -> (llama.cpp type, nxdc's default KV cache for it)
-FORMATS = {
-    "fp32": ("F32", "fp32"),
-    "fp16": ("F16", "fp16"),
-    "bf16": ("BF16", "bf16"),
-    "int8": ("Q8_0", "fp32"),
-}
+FORMATS = {"fp32": "F32", "fp16": "F16", "bf16": "BF16", "int8": "Q8_0"}  # nxdc --weights -> llama.cpp type
 
 
 def gguf_for(bin_dir: Path, src: Path, ftype: str) -> Path:
@@ -66,14 +59,16 @@ def llama_tps(bin_dir: Path, gguf: Path, args) -> dict[int, float]:
 
 def nxdc_tps(exports: dict[tuple[str, int], Path], args) -> dict[tuple[str, int], float]:
     """Decode tok/s of one `nxdc bench` run over every export."""
-    with tempfile.TemporaryDirectory() as d:
-        out = Path(d) / "bench.json"
-        cmd = [str(ROOT / ".venv" / "bin" / "nxdc"), "bench", *map(str, exports.values())]
-        cmd += ["--prompt-lengths", str(args.prompt_length), "--new-tokens", str(args.new_tokens)]
-        cmd += ["--runs", "1", "--threads", str(args.threads), "--json", str(out), "--quiet"]
-        subprocess.run(cmd, check=True, capture_output=True)
-        rows = json.loads(out.read_text())["rows"]
-    tps = {Path(r["export"]).resolve(): r["decode_tokens_per_s"] for r in rows}
+    from nxdc.bench.runner import run_bench
+
+    res = run_bench(
+        list(exports.values()),
+        prompt_lengths=[args.prompt_length],
+        new_tokens=args.new_tokens,
+        runs=1,
+        threads=args.threads,
+    )
+    tps = {Path(r["export"]).resolve(): r["decode_tokens_per_s"] for r in res["rows"]}
     return {k: tps[d.resolve()] for k, d in exports.items()}
 
 
@@ -96,22 +91,13 @@ def main() -> None:
             f"error: no {' or '.join(missing)} in {args.llama_bin}: build them as this script's docstring says"
         )
 
-    from nxdc.export import run_export
-    from nxdc.plan import ExportOptions
+    from weights import default_kv, export  # bench/weights.py: the same exports
+
     from nxdc.weights.sources import embedded_path
 
     src = embedded_path("smollm2-135m")
-    ggufs = {w: gguf_for(args.llama_bin, src, t) for w, (t, _) in FORMATS.items()}
-    exports = {}  # bench/weights.py's exports (cached after its run)
-    for w, (_, kv) in FORMATS.items():
-        for b in args.batches:
-            d = ROOT / "bench" / "exports" / f"weights-{w}-kv{kv}-b{b}"
-            run_export(
-                "smollm2-135m",
-                d,
-                ExportOptions(batch_size=b, sequence_length=256, context_buckets=(128,), weights=w),
-            )
-            exports[(w, b)] = d
+    ggufs = {w: gguf_for(args.llama_bin, src, t) for w, t in FORMATS.items()}
+    exports = {(w, b): export(w, default_kv(w), b) for w in FORMATS for b in args.batches}
     rows = {f"{w}-b{b}": {"llama.cpp": [], "nxdc": []} for w, b in exports}
     for i in range(args.rounds):
         for w in FORMATS:
@@ -133,7 +119,7 @@ def main() -> None:
         "new_tokens": args.new_tokens,
         "threads": args.threads,
         "llama_cpp_version": (version.stdout + version.stderr).strip().splitlines()[0],
-        "llama_cpp_types": {w: t for w, (t, _) in FORMATS.items()},
+        "llama_cpp_types": FORMATS,
         "tokens_per_s": rows,
     }
     (ROOT / "docs" / "bench-llamacpp.json").write_text(json.dumps(out, indent=1))
@@ -149,7 +135,7 @@ def main() -> None:
     for w, b in exports:
         k = f"{w}-b{b}"
         print(
-            f"| {w} | {FORMATS[w][0]} | {b} | {med(k, 'nxdc'):.1f} | {med(k, 'llama.cpp'):.1f} | {ratio(k):.2f}× |"
+            f"| {w} | {FORMATS[w]} | {b} | {med(k, 'nxdc'):.1f} | {med(k, 'llama.cpp'):.1f} | {ratio(k):.2f}× |"
         )
     b1, bn = args.batches[0], args.batches[-1]
     if bn != b1:

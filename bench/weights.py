@@ -32,6 +32,27 @@ def label(w: str, kv: str) -> str:
     return f"{w}-kv{kv}"
 
 
+def default_kv(w: str) -> str:
+    """The KV cache an export with ``--weights w`` gets by default."""
+    from nxdc.plan import stored_kv_cache
+
+    return stored_kv_cache(None, w, "fp32") or "fp32"
+
+
+def export(w: str, kv: str, batch: int) -> Path:
+    """SmolLM2 with weights ``w`` and KV cache ``kv`` at one batch size (compiled on the first
+    call, a cache hit after): bench/exports/weights-<w>-kv<kv>-b<batch>."""
+    from nxdc.export import run_export
+    from nxdc.plan import ExportOptions
+
+    d = ROOT / "bench" / "exports" / f"weights-{label(w, kv)}-b{batch}"
+    opts = ExportOptions(
+        batch_size=batch, sequence_length=256, context_buckets=(128,), weights=w, kv_cache=kv
+    )
+    run_export("smollm2-135m", d, opts)
+    return d
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--new-tokens", type=int, default=96)
@@ -41,19 +62,10 @@ def main() -> None:
 
     from nxdc.accuracy import measure_formats
     from nxdc.bench.runner import run_bench
-    from nxdc.export import run_export
-    from nxdc.plan import ExportOptions, stored_kv_cache
+    from nxdc.plan import ExportOptions
 
     batches = [int(b) for b in args.batch_sizes.split(",")]
-    dirs = {}
-    for w, kv in CONFIGS:
-        for b in batches:
-            d = ROOT / "bench" / "exports" / f"weights-{label(w, kv)}-b{b}"
-            opts = ExportOptions(
-                batch_size=b, sequence_length=256, context_buckets=(128,), weights=w, kv_cache=kv
-            )
-            run_export("smollm2-135m", d, opts)
-            dirs[(label(w, kv), b)] = d
+    dirs = {(label(w, kv), b): export(w, kv, b) for w, kv in CONFIGS for b in batches}
     acc = {}
     for kv in sorted({kv for _, kv in CONFIGS}):
         fmts = [w for w, k in CONFIGS if k == kv and (w, k) != ("fp32", "fp32")]
@@ -88,7 +100,7 @@ def main() -> None:
             else "– | – | –"
         )
         print(
-            f"| {w} | {kv}{' (default)' if (stored_kv_cache(None, w, 'fp32') or 'fp32') == kv else ''} | {mb:.0f} | {r1['decode_tokens_per_s']:.1f} | {r1['fraction_of_read_roofline']:.0%} ({r1['fraction_of_read_roofline_paired']:.0%}) | {r8['decode_tokens_per_s']:.1f} | "
+            f"| {w} | {kv}{' (default)' if default_kv(w) == kv else ''} | {mb:.0f} | {r1['decode_tokens_per_s']:.1f} | {r1['fraction_of_read_roofline']:.0%} ({r1['fraction_of_read_roofline_paired']:.0%}) | {r8['decode_tokens_per_s']:.1f} | "
             f"{r8['decode_tokens_per_s'] / r1['decode_tokens_per_s']:.1f}× | {accs} |"
         )
 
