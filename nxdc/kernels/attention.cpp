@@ -227,16 +227,30 @@ struct Next {
   int64_t slots = 0;
 };
 
-// Memory traffic to overlap with the arithmetic of key block s0 (of n slots): that block's values,
-// which the weighted sums read after the scores, and this block's share of the next task's keys
-// and values, so that they are in L2 when it starts. Without it a call read its cache, then
-// computed: at batch 8, position 176 (Zen 4, 2 threads) one call took 45 us with the cache in
-// L2 / L3 and 117-131 us from memory. 30 such calls from memory, separate processes alternated:
-// fp16 cache 2.6-3.4 -> 1.5-2.0 ms, fp32 3.8-4.2 -> 3.4-4.6 ms (noisier; median -7%).
+// Memory traffic to overlap with the arithmetic of key block s0 (of n slots): the keys KEYS_AHEAD
+// blocks on, that block's values, which the weighted sums read after the scores, and this block's
+// share of the next task's keys and values, so that they are in L2 when it starts. Without it a
+// call read its cache, then computed: at batch 8, position 176 (Zen 4, 2 threads) one call took
+// 45 us with the cache in L2 / L3 and 117-131 us from memory. 30 such calls from memory, separate
+// processes alternated: fp16 cache 2.6-3.4 -> 1.5-2.0 ms, fp32 3.8-4.2 -> 3.4-4.6 ms (noisier;
+// median -7%). The keys ahead came later: the hardware prefetcher alone left the key pass
+// waiting on memory. 30 calls from memory, 30 rounds alternated in one process, medians of
+// the per-round ratios: batch 8, position 576, fp32 cache -17%, fp16 -5%; position 150 -19% /
+// -9%; batch 1, position 576 -21% / -13%; batch 1, position 150 within 2%. 2, 4, 8 or 16
+// blocks ahead did about the same for fp32 (fp16 best from 8); into L1 instead of L2, no gain.
 // always_inline: gcc 12 otherwise emitted this function out of line with its prefetches removed.
+constexpr int64_t KEYS_AHEAD = 8;
+
 template <typename T>
-NXDC_AVX2 __attribute__((always_inline)) inline void prefetch_block(const T* v, int64_t s0, int64_t n, int64_t D, const Next<T>& nx) {
+NXDC_AVX2 __attribute__((always_inline)) inline void prefetch_block(const T* k, const T* v, int64_t s0, int64_t n,
+                                                                    int64_t D, const Next<T>& nx) {
   const int64_t row = D * static_cast<int64_t>(sizeof(T));
+  const int64_t ka = s0 + 8 * KEYS_AHEAD;
+  if (ka < n) {
+    const char* kb = reinterpret_cast<const char*>(k + ka * D);
+    for (int64_t off = 0, end = std::min<int64_t>(8, n - ka) * row; off < end; off += 64)
+      _mm_prefetch(kb + off, _MM_HINT_T1);
+  }
   const char* vb = reinterpret_cast<const char*>(v + s0 * D);
   for (int64_t off = 0, end = std::min<int64_t>(8, n - s0) * row; off < end; off += 64)
     _mm_prefetch(vb + off, _MM_HINT_T1);
@@ -262,7 +276,7 @@ NXDC_AVX2 void head(const float* q, const T* k, const T* v, float* out, const in
   for (int64_t s0 = 0; s0 < n; s0 += 8) {
     const T* ks[8];
     for (int j = 0; j < 8; ++j) ks[j] = k + std::min<int64_t>(s0 + j, n - 1) * D;
-    prefetch_block(v, s0, n, D, nx);
+    prefetch_block(k, v, s0, n, D, nx);
     for (int64_t r = 0; r < R; ++r)
       if (s0 <= last[r]) dot8(q + r * D, ks, D, scale, scores.data() + r * n8 + s0);
   }
@@ -281,7 +295,7 @@ NXDC_AVX512VL void head_pairs(const float* q, const T* k, const T* v, float* out
   for (int64_t s0 = 0; s0 < n; s0 += 8) {
     const T* ks[8];
     for (int j = 0; j < 8; ++j) ks[j] = k + std::min<int64_t>(s0 + j, n - 1) * D;
-    prefetch_block(v, s0, n, D, nx);
+    prefetch_block(k, v, s0, n, D, nx);
     for (int64_t r = 0; r < R; r += 2) {
       const bool a = s0 <= last[r], b = r + 1 < R && s0 <= last[r + 1];
       if (a && b)
