@@ -50,17 +50,14 @@ def main() -> None:
     ap.add_argument("--read-gbs", type=float, help="use this read rate instead of sampling one")
     args = ap.parse_args()
 
-    from weights import label  # bench/weights.py: its exports' names
+    from weights import export_dir  # bench/weights.py: its exports
 
     from nxdc.bench.machine import read_bandwidth_gbs
     from nxdc.manifest import load_manifest
     from nxdc.plan import ExportPlan, weight_bytes
     from nxdc.spec import ModelSpec
 
-    exports = args.exports or [
-        ROOT / "bench" / "exports" / f"weights-{label(w, 'fp32')}-b1"
-        for w in ("fp32", "fp16", "bf16", "int8")
-    ]
+    exports = args.exports or [export_dir(w, "fp32", 1) for w in ("fp32", "fp16", "bf16", "int8")]
     missing = [str(d) for d in exports if not (d / "nxdc.json").is_file()]
     if missing:
         sys.exit(f"error: no export at {', '.join(missing)}: run bench/weights.py or pass export directories")

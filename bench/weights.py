@@ -39,13 +39,18 @@ def default_kv(w: str) -> str:
     return stored_kv_cache(None, w, "fp32") or "fp32"
 
 
+def export_dir(w: str, kv: str, batch: int) -> Path:
+    """Where this script keeps the export with weights ``w``, KV cache ``kv`` at one batch size."""
+    return ROOT / "bench" / "exports" / f"weights-{label(w, kv)}-b{batch}"
+
+
 def export(w: str, kv: str, batch: int) -> Path:
-    """SmolLM2 with weights ``w`` and KV cache ``kv`` at one batch size (compiled on the first
-    call, a cache hit after): bench/exports/weights-<w>-kv<kv>-b<batch>."""
+    """SmolLM2 with weights ``w`` and KV cache ``kv`` at one batch size in export_dir (compiled
+    on the first call, a cache hit after)."""
     from nxdc.export import run_export
     from nxdc.plan import ExportOptions
 
-    d = ROOT / "bench" / "exports" / f"weights-{label(w, kv)}-b{batch}"
+    d = export_dir(w, kv, batch)
     opts = ExportOptions(
         batch_size=batch, sequence_length=256, context_buckets=(128,), weights=w, kv_cache=kv
     )

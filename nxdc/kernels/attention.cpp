@@ -241,19 +241,21 @@ struct Next {
 // always_inline: gcc 12 otherwise emitted this function out of line with its prefetches removed.
 constexpr int64_t KEYS_AHEAD = 8;
 
+// Into L2: the rows of the 8-slot block that starts at slot s0 of c (those below n).
+template <typename T>
+NXDC_AVX2 __attribute__((always_inline)) inline void prefetch_rows(const T* c, int64_t s0, int64_t n, int64_t D) {
+  const int64_t row = D * static_cast<int64_t>(sizeof(T));
+  const char* p = reinterpret_cast<const char*>(c + s0 * D);
+  for (int64_t off = 0, end = std::min<int64_t>(8, n - s0) * row; off < end; off += 64)
+    _mm_prefetch(p + off, _MM_HINT_T1);
+}
+
 template <typename T>
 NXDC_AVX2 __attribute__((always_inline)) inline void prefetch_block(const T* k, const T* v, int64_t s0, int64_t n,
                                                                     int64_t D, const Next<T>& nx) {
+  prefetch_rows(k, s0 + 8 * KEYS_AHEAD, n, D);  // nothing past the last block
+  prefetch_rows(v, s0, n, D);
   const int64_t row = D * static_cast<int64_t>(sizeof(T));
-  const int64_t ka = s0 + 8 * KEYS_AHEAD;
-  if (ka < n) {
-    const char* kb = reinterpret_cast<const char*>(k + ka * D);
-    for (int64_t off = 0, end = std::min<int64_t>(8, n - ka) * row; off < end; off += 64)
-      _mm_prefetch(kb + off, _MM_HINT_T1);
-  }
-  const char* vb = reinterpret_cast<const char*>(v + s0 * D);
-  for (int64_t off = 0, end = std::min<int64_t>(8, n - s0) * row; off < end; off += 64)
-    _mm_prefetch(vb + off, _MM_HINT_T1);
   if (!nx.k) return;
   const int64_t lines = (nx.slots * row + 63) / 64, blocks = (n + 7) / 8, b = s0 / 8;
   const char* nk = reinterpret_cast<const char*>(nx.k);
