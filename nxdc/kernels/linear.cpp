@@ -222,9 +222,9 @@ NXDC_AVX512 __attribute__((always_inline)) inline void step512(__m512 (&acc)[R][
     // FMAs (R loads of the same vector), and with the two int8 conversion ops per weight vector
     // the loop then runs out of load/issue slots before FMA slots (SmolLM2 i8 step, M=8:
     // 16.5 -> 14.7 ms, M=4: 9.2 -> 8.6 ms; for fp32 / fp16 / bf16 with 2 weight rows, and int8
-    // at M=1, pinning measured slower or the same). fp16 / bf16 in the 3-row blocks (M = 7, 8)
-    // gain from it too: 2-5% off a SmolLM2 step's matvecs (M = 5, 6: mixed, so not there).
-    if constexpr ((F == Fmt::I8 && M >= 4 && R > 1) || (F != Fmt::F32 && R == 3 && M >= 7)) asm("" : "+v"(xv));
+    // at M=1, pinning measured slower or the same). Every format's 3-row blocks (M = 7, 8) gain
+    // from it too: 2-5% off a SmolLM2 step's fp16 / bf16 matvecs (M = 5, 6: mixed, so not there).
+    if constexpr ((F == Fmt::I8 && M >= 4 && R > 1) || (R == 3 && M >= 7)) asm("" : "+v"(xv));
     for (int r = 0; r < R; ++r) acc[r][m] = _mm512_fmadd_ps(wv[r], xv, acc[r][m]);
   }
 }
@@ -404,10 +404,21 @@ void block(const Args& a, int64_t n0, int64_t n1, bool wide) {
 // converted 16-bit and int8 weights make these rows FMA- and issue-bound, not memory-bound.
 // On Zen 4 with 2 threads, the 121 matvecs of a SmolLM2 step took 8-14% less time for
 // fp16 / bf16 at M = 5, 6 and 8 (4% at 7), and 3-12% less for int8 at M = 3..8 (interleaved in one
-// process, the same bits). fp32 stays memory-bound and was 0-5% slower, so it keeps R = 2.
+// process, the same bits). fp32 takes them at M = 7, 8 only, where what bounds it depends on the
+// host: on a Zen 4 host that switches between a ~30 and a ~60 GB/s read rate, 3 rows against 2
+// took the 8-row matvecs of a step 8-9% less time in its fast state (FMA-bound: weights arrive
+// faster than 2-row blocks use them) and 3-4.5% more in its slow one (memory-bound), over 1,318 +
+// 565 + 1,033 fast and 182 + 635 + 467 slow rounds alternated in one process (docs/performance.md).
+// The fast state is where batch 8 is furthest from its targets, so it decides. At M = 5, 6 fp32
+// keeps R = 2 (0-5% slower with more rows, measured in one state).
+template <Fmt F>
+constexpr int64_t wide_rows_min() {
+  return F == Fmt::I8 ? 3 : (F == Fmt::F32 ? 7 : 5);
+}
+
 template <Fmt F, Scale S>
 void rows_block(const Args& a, int64_t rows, int64_t n0, int64_t n1, bool wide) {
-  if (wide && F != Fmt::F32 && rows >= (F == Fmt::I8 ? 3 : 5)) {
+  if (wide && rows >= wide_rows_min<F>()) {
     switch (rows) {
       case 3: block512<F, S, 5, 3>(a, n0, n1); return;
       case 4: block512<F, S, 4, 4>(a, n0, n1); return;
