@@ -89,6 +89,77 @@ def test_rows_are_independent_of_the_batch(fmt):
             assert torch.equal(op(fmt)(x[:rows], *args), alone[:rows]), (n, k, rows)
 
 
+def swiglu_reference(x: torch.Tensor, wd: torch.Tensor) -> torch.Tensor:
+    full = x.double() @ wd.double().t()
+    i = wd.shape[0] // 2
+    return F.silu(full[:, :i]) * full[:, i:]
+
+
+@pytest.mark.parametrize(
+    "fmt, i, k",
+    [
+        (f, i, k)
+        for f in FORMATS
+        for i, k in ((1536, 576), (40, 100), (7, 64), (1, 16))
+        if f != "i8g32" or k % 32 == 0
+    ],
+)
+def test_swiglu_matches_reference(fmt, i, k):
+    """``nxdc::swiglu(x, [gate; up])`` = silu(x @ gate^T) * (x @ up^T): the kernel's gate and up
+    sums are the linear op's bit for bit, and its SiLU is within a few fp32 ulps of an fp64 one."""
+    torch.manual_seed(i + k)
+    w = torch.randn(2 * i, k) * 0.2
+    args, wd = make(fmt, w)
+    scale = args[1] if len(args) > 1 else None
+    for rows in (1, 3, 8, 9, 40):
+        x = torch.randn(rows, k)
+        got = torch.ops.nxdc.swiglu(x, args[0], scale)
+        assert got.shape == (rows, i) and got.dtype == torch.float32
+        lin = op(fmt)(x, *args)  # the same sums, then SiLU in fp64
+        ref = F.silu(lin[:, :i].double()) * lin[:, i:].double()
+        assert bool(((got.double() - ref).abs() <= 4e-7 * ref.abs() + 1e-30).all()), fmt
+        check_close = (got.double() - swiglu_reference(x, wd)).abs().max().item()
+        bound = 1e-6 * k**0.5 * (x.double().abs() @ wd.double().abs().t()).max().item()
+        assert check_close <= bound, (check_close, bound)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_swiglu_rows_are_independent_of_the_batch(fmt):
+    torch.manual_seed(8)
+    w = torch.randn(2 * 1536, 576) * 0.1
+    args, _ = make(fmt, w)
+    scale = args[1] if len(args) > 1 else None
+    x = torch.randn(40, 576)
+    alone = torch.cat([torch.ops.nxdc.swiglu(x[i : i + 1], args[0], scale) for i in range(40)])
+    for rows in (2, 5, 8, 9, 16, 40):
+        assert torch.equal(torch.ops.nxdc.swiglu(x[:rows], args[0], scale), alone[:rows]), rows
+
+
+def test_swiglu_extreme_inputs():
+    """Large |gate| neither overflows nor loses the sign: silu(g) -> g for g >> 0, -> -0 for g << 0."""
+    x = torch.tensor([[1.0]])
+    g = torch.tensor([0.0, 1.0, -1.0, 20.0, -20.0, 88.0, -88.0, 100.0, -100.0, 1e30, -1e30, 3.0e38, -3.0e38])
+    w = torch.cat([g, torch.ones_like(g)]).unsqueeze(1)  # gate rows g, up rows 1: out = silu(g)
+    got = torch.ops.nxdc.swiglu(x, w, None)[0]
+    ref = F.silu(g.double())
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.double(), ref, rtol=1e-6, atol=1e-30)
+
+
+def test_swiglu_bad_arguments_raise():
+    x = torch.randn(2, 64)
+    with pytest.raises(RuntimeError, match="stack gate and up"):
+        torch.ops.nxdc.swiglu(x, torch.randn(3, 64), None)
+    with pytest.raises(RuntimeError, match="int8 weights take a scale"):
+        torch.ops.nxdc.swiglu(x, torch.zeros(4, 64, dtype=torch.int8), None)
+    with pytest.raises(RuntimeError, match="int8 weights take a scale"):
+        torch.ops.nxdc.swiglu(x, torch.randn(4, 64), torch.ones(4))
+    with pytest.raises(RuntimeError, match="must be float32, float16, bfloat16 or int8"):
+        torch.ops.nxdc.swiglu(x, torch.randn(4, 64).double(), None)
+    with pytest.raises(RuntimeError, match="K=64 but w has K=63"):
+        torch.ops.nxdc.swiglu(x, torch.randn(4, 63), None)
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_lm_head_sized(fmt):
     torch.manual_seed(1)
@@ -163,7 +234,7 @@ def test_avx2_path_matches_reference():
         assert ensure_loaded()
         worst = 0.0
         for rows in (1, 3, 8, 9, 40, 100):  # 40, 100: dequantise + at::mm
-            for n, k in ((7, 100), (67, 576), (33, 1000), (50, 13), (300, 64)):
+            for n, k in ((7, 100), (67, 576), (33, 1000), (50, 13), (300, 64), (96, 576)):
                 torch.manual_seed(rows + n + k)
                 x, w = torch.randn(rows, k), torch.randn(n, k)
                 cases = [(torch.ops.nxdc.linear_f32, (w,), w),
@@ -181,6 +252,11 @@ def test_avx2_path_matches_reference():
                     got, ref = f(x, *args).double(), x.double() @ wd.double().t()
                     bound = 1e-6 * k ** 0.5 * (x.double().abs() @ wd.double().abs().t()) + 1e-30
                     worst = max(worst, ((got - ref).abs() / bound).max().item())
+                    if n % 2 == 0:  # swiglu: the same sums (any route), then SiLU within fp32 ulps
+                        lin = f(x, *args).double()
+                        sw = torch.ops.nxdc.swiglu(x, args[0], args[1] if len(args) > 1 else None)
+                        ref = torch.nn.functional.silu(lin[:, : n // 2]) * lin[:, n // 2 :]
+                        assert ((sw.double() - ref).abs() <= 4e-7 * ref.abs() + 1e-30).all(), (f, rows, n, k)
         print("WORST", worst)
         """
     )
@@ -213,6 +289,8 @@ class FormatLinears(torch.nn.Module):
             ops.linear_bf16(x, self.wbf),
             ops.linear_i8(x, self.q, self.s),
             ops.linear_i8(x, self.qg, self.sg),
+            ops.swiglu(x, self.w32),
+            ops.swiglu(x, self.q, self.s),
         )
 
 
@@ -220,11 +298,11 @@ def test_export_and_aoti_bit_identical(tmp_path):
     from torch._inductor import aoti_compile_and_package, aoti_load_package
 
     torch.manual_seed(4)
-    mod = FormatLinears(67, 96).eval()
+    mod = FormatLinears(68, 96).eval()
     m = torch.export.Dim("m", min=1, max=1024)
     ep = torch.export.export(mod, (torch.randn(4, 96),), dynamic_shapes=({0: m},), strict=False)
     code = ep.graph_module.code
-    for name in ("linear_f32", "linear_f16", "linear_bf16", "linear_i8"):
+    for name in ("linear_f32", "linear_f16", "linear_bf16", "linear_i8", "swiglu"):
         assert f"nxdc.{name}" in code
     pkg = aoti_compile_and_package(ep, package_path=str(tmp_path / "lowp.pt2"))
     runner = aoti_load_package(pkg)
@@ -282,3 +360,43 @@ def test_linear_module_uses_the_kernel_for_fp32_at_any_row_count():
     use_kernels(lin, False)
     gm = torch.export.export(lin, (torch.randn(2, 1, 64),), strict=False).graph_module
     assert "nxdc.linear_f32" not in gm.code
+
+
+@pytest.mark.parametrize("bias, stored", [(False, None), (False, "int8"), (False, "fp16"), (True, None)])
+def test_mlp_routes_gate_up_through_swiglu(bias, stored):
+    """With the kernels, an MLP without biases runs gate/up and SiLU as one ``nxdc::swiglu`` call (any
+    stored format) and matches PyTorch's SiLU on the linear's halves; with biases, or without the
+    kernels, it keeps the linear op and PyTorch's SiLU."""
+    from nxdc.model.layers import MLP, use_kernels
+    from nxdc.spec import ModelSpec, RopeSpec
+
+    spec = ModelSpec(
+        "llama", 10, 64, 48, 1, 4, 2, 16, 1e-5, RopeSpec(theta=10000.0), 32, False, mlp_bias=bias
+    )
+    torch.manual_seed(9)
+    mlp = MLP(spec, torch.float32)
+    for p in mlp.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    ref_in = torch.randn(2, 3, 64)
+    gu = mlp.gate_up_proj
+    if stored:
+        w = gu.weight.detach().clone()
+        gu.store_as(stored)
+        if stored == "int8":
+            q, s = quantize_int8(w)
+            gu.weight.data, gu.scale.data = q, s
+            w = dequantize_int8(q, s)
+        else:
+            gu.weight.data = w.half()
+            w = w.half().float()
+    else:
+        w = gu.weight.detach()
+    full = F.linear(ref_in, w, gu.bias)
+    want = mlp.down_proj(F.silu(full[..., :48]) * full[..., 48:])
+    use_kernels(mlp)
+    torch.testing.assert_close(mlp(ref_in), want, rtol=1e-5, atol=1e-5)
+    code = torch.export.export(mlp, (ref_in,), strict=False).graph_module.code
+    assert ("nxdc.swiglu" in code) == (not bias)
+    use_kernels(mlp, False)
+    torch.testing.assert_close(mlp(ref_in), want, rtol=1e-5, atol=1e-5)
+    assert "nxdc.swiglu" not in torch.export.export(mlp, (ref_in,), strict=False).graph_module.code

@@ -7,6 +7,9 @@ see ``quant.py``), weights converted in registers, fp32 accumulation, any M. Mem
 decode: every weight is streamed once at the rate of a plain reduction (~2.5x PyTorch's MKL
 sgemv on our CI machine); faster than MKL's sgemm at prefill too (AVX-512).
 
+``nxdc::swiglu(x, w, scale=None)`` (``linear.cpp``): an MLP's gate and up matvecs (``w`` stacks
+them, any of those formats) and ``silu(gate) * up`` in one call, each thread on its own columns.
+
 ``nxdc::attend(q, k_cache, v_cache, positions)`` (``attention.cpp``): prefill, decode and verify
 attention over the static KV cache, reading only the slots each query row attends to.
 
@@ -33,6 +36,7 @@ import torch
 log = logging.getLogger(__name__)
 # every C++ source compiled into the one library; all of them go into the digest
 SOURCES = [Path(__file__).with_name(f) for f in ("linear.cpp", "attention.cpp")]
+HEADERS = [Path(__file__).with_name("vexp.h")]  # included by the sources: in the digest too
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
 
 
@@ -46,7 +50,7 @@ def cpu_supported() -> bool:
 
 def kernel_digest() -> str:
     h = hashlib.sha256()
-    for src in SOURCES:
+    for src in SOURCES + HEADERS:
         h.update(src.read_bytes())
     h.update(torch.__version__.encode())
     h.update(" ".join(CFLAGS).encode())
@@ -160,25 +164,23 @@ def _load(path: str, digest: str) -> None:
     _loaded.update(digest=digest, path=path)
 
 
+def _linear_fake(x, w, scale=None):  # x fp32 [M, K], w [N, K] -> out fp32 [M, N]
+    return x.new_empty((x.shape[0], w.shape[0]))
+
+
+# Shape functions for torch.export, one per op. An export made by an older nxdc carries a library
+# without the newer ops (``generate`` loads that copy), so only the ops it defines get one.
+_FAKES = {
+    "attend": lambda q, k_cache, v_cache, positions: torch.empty_like(q),  # out [B, H, R, D] like q
+    "linear_f32": _linear_fake,
+    "linear_f16": _linear_fake,
+    "linear_bf16": _linear_fake,
+    "linear_i8": _linear_fake,  # scale fp32 [N] (per row) or [N, K // G] (per group of G inputs)
+    "swiglu": lambda x, w, scale=None: x.new_empty((x.shape[0], w.shape[0] // 2)),  # w = [gate; up]
+}
+
+
 def _register_fake() -> None:
-    # linear.cpp: x fp32 [M, K]; w fp32 / fp16 / bf16 / int8 [N, K];
-    # int8 scale fp32 [N] (per row) or [N, K // G] (per group of G inputs); out fp32 [M, N].
-    @torch.library.register_fake("nxdc::attend")  # attention.cpp: out [B, H, R, D] like q
-    def _(q, k_cache, v_cache, positions):
-        return torch.empty_like(q)
-
-    @torch.library.register_fake("nxdc::linear_f32")
-    def _(x, w):
-        return x.new_empty((x.shape[0], w.shape[0]))
-
-    @torch.library.register_fake("nxdc::linear_f16")
-    def _(x, w):
-        return x.new_empty((x.shape[0], w.shape[0]))
-
-    @torch.library.register_fake("nxdc::linear_bf16")
-    def _(x, w):
-        return x.new_empty((x.shape[0], w.shape[0]))
-
-    @torch.library.register_fake("nxdc::linear_i8")
-    def _(x, w, scale):
-        return x.new_empty((x.shape[0], w.shape[0]))
+    for name, fake in _FAKES.items():
+        if hasattr(torch.ops.nxdc, name):
+            torch.library.register_fake(f"nxdc::{name}")(fake)

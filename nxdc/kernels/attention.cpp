@@ -34,6 +34,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "vexp.h"
+
 namespace nxdc_cpu {
 bool has_avx512();  // linear.cpp
 }
@@ -43,6 +45,8 @@ namespace {
 #define NXDC_AVX2 __attribute__((target("avx2,fma,f16c")))
 // The same 256-bit arithmetic with AVX-512VL's 32 vector registers (two rows at once need ~20).
 #define NXDC_AVX512VL __attribute__((target("avx512f,avx512vl,avx2,fma,f16c")))
+
+using nxdc_cpu::exp_neg;
 
 // 8 cache elements as fp32: a plain load, vcvtph2ps, or a 16-bit shift (bf16 is fp32's top half).
 template <typename T>
@@ -111,25 +115,6 @@ NXDC_AVX512VL inline void dot8x2(const float* q0, const float* q1, const T* cons
   const __m256 sv = _mm256_set1_ps(scale);
   _mm256_storeu_ps(dst0, _mm256_mul_ps(hsum8(a0), sv));
   _mm256_storeu_ps(dst1, _mm256_mul_ps(hsum8(a1), sv));
-}
-
-// exp(x) for x <= 0 (scores minus their maximum), Cephes' expf: 2^n * p(r), r = x - n ln 2,
-// |rel err| < 2e-7; below -87.3 (exp < 1.2e-38) it returns ~1e-38 instead of underflowing.
-NXDC_AVX2 inline __m256 exp_neg(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
-  y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
 // p[0..len) <- exp(p - max) (p padded to a multiple of 8; padding lanes become 0); returns 1 / sum.

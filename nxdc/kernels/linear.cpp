@@ -7,6 +7,8 @@
 //   nxdc::linear_bf16(x, w)         w: bfloat16 [N, K]
 //   nxdc::linear_i8(x, w, scale)    w: int8 [N, K]; scale: float32 [N] (per row) or [N, K / G]
 //                                   (per group, G = K / scale.size(1), G % 16 == 0)
+//   nxdc::swiglu(x, w, scale=None)  silu(x @ gate^T) * (x @ up^T) [M, N / 2] for w = [gate; up]
+//                                   in any of those formats (int8 with its scale)
 //
 // Streaming kernel (decode, and prefill with AVX-512): every weight is converted to fp32 in
 // registers (a plain load / vcvtph2ps / a 16-bit shift / vpmovsxbd + vcvtdq2ps) right after its
@@ -44,7 +46,11 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <optional>
+#include <type_traits>
 #include <vector>
+
+#include "vexp.h"
 
 #define NXDC_AVX2 __attribute__((target("avx2,fma,f16c")))
 #define NXDC_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
@@ -465,11 +471,19 @@ void pass_block(const Args& a, int64_t rows, int64_t n0, int64_t n1, bool wide) 
 // rows with AVX-512 (8 on AVX2), split evenly (9 -> 4 + 5, 16 -> 5 + 5 + 6): each thread walks
 // its rows in L2-sized tiles and runs every pass over a tile before moving on, so weights still
 // come from DRAM once.
-template <Fmt F, Scale S>
-void stream(const Args& a, int64_t M) {
-  constexpr int64_t U = 16;
+constexpr int64_t U = 16;  // weight rows per unit of the thread split
+
+struct Plan {
+  bool wide;       // AVX-512 path
+  int64_t passes;  // 1 for M <= 8
+  int64_t tile;    // weight rows per L2 tile (passes > 1)
+  int64_t grain;   // units per thread at least
+};
+
+template <Fmt F>
+Plan plan(const Args& a, int64_t M) {
   constexpr int64_t SZ = sizeof(typename Store<F>::T);
-  const int64_t K = a.K, N = a.N, units = (N + U - 1) / U;
+  const int64_t K = a.K;
   // (fp32 at M = 8 once ran as two passes of 4 rows over each L2-sized tile, which beat one pass
   // of 8 with the L1-only prefetch; with the L2 stream one pass is faster: SmolLM2 fp32 M=8
   // step 28.1 -> 20.5 ms on Zen 4.)
@@ -479,22 +493,87 @@ void stream(const Args& a, int64_t M) {
   // at least ~64 KiB-pass of weights per thread before splitting: tiny layers stay on one thread
   const int64_t grain = std::max<int64_t>(1, (64 * 1024) / std::max<int64_t>(1, U * K * SZ * passes));
   const int64_t tile = std::max<int64_t>(U, (256 * 1024) / std::max<int64_t>(1, K * SZ) / U * U);
-  at::parallel_for(0, units, grain, [&](int64_t u0, int64_t u1) {
-    const int64_t n0 = u0 * U, n1 = std::min(N, u1 * U);
-    if (passes == 1) {
-      rows_block<F, S>(a, M, n0, n1, wide);
-      return;
+  return {wide, passes, tile, grain};
+}
+
+// Output rows [n0, n1) of a, all M activation rows.
+template <Fmt F, Scale S>
+void rows_range(const Args& a, int64_t M, const Plan& p, int64_t n0, int64_t n1) {
+  const int64_t K = a.K, N = a.N;
+  if (p.passes == 1) {
+    rows_block<F, S>(a, M, n0, n1, p.wide);
+    return;
+  }
+  for (int64_t t0 = n0; t0 < n1; t0 += p.tile) {
+    const int64_t t1 = std::min(n1, t0 + p.tile);
+    for (int64_t q = 0, m0 = 0; q < p.passes; ++q) {
+      const int64_t rows = (M - m0) / (p.passes - q);
+      Args ap = a;
+      ap.x = a.x + m0 * K;
+      ap.out = a.out + m0 * N;
+      pass_block<F, S>(ap, rows, t0, t1, p.wide);
+      m0 += rows;
     }
-    for (int64_t t0 = n0; t0 < n1; t0 += tile) {
-      const int64_t t1 = std::min(n1, t0 + tile);
-      for (int64_t p = 0, m0 = 0; p < passes; ++p) {
-        const int64_t rows = (M - m0) / (passes - p);
-        Args ap = a;
-        ap.x = a.x + m0 * K;
-        ap.out = a.out + m0 * N;
-        pass_block<F, S>(ap, rows, t0, t1, wide);
-        m0 += rows;
-      }
+  }
+}
+
+template <Fmt F, Scale S>
+void stream(const Args& a, int64_t M) {
+  const Plan p = plan<F>(a, M);
+  at::parallel_for(0, (a.N + U - 1) / U, p.grain, [&](int64_t u0, int64_t u1) {
+    rows_range<F, S>(a, M, p, u0 * U, std::min(a.N, u1 * U));
+  });
+}
+
+// o[0..n) = silu(g) * u, 8 lanes at a time; a short tail goes through the same vector code
+// (padded), so every element's bits are the same wherever it sits.
+NXDC_AVX2 void silu_mul_row(const float* g, const float* u, float* o, int64_t n) {
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8)
+    _mm256_storeu_ps(o + j, nxdc_cpu::silu_mul(_mm256_loadu_ps(g + j), _mm256_loadu_ps(u + j)));
+  if (j < n) {
+    alignas(32) float gt[8] = {}, ut[8] = {}, ot[8];
+    std::copy(g + j, g + n, gt);
+    std::copy(u + j, u + n, ut);
+    _mm256_store_ps(ot, nxdc_cpu::silu_mul(_mm256_load_ps(gt), _mm256_load_ps(ut)));
+    std::copy(ot, ot + (n - j), o + j);
+  }
+}
+
+// The rows [row0, row0 + n) of a's weight, written to dst [M, n].
+template <Fmt F>
+Args row_slice(const Args& a, int64_t row0, int64_t n, float* dst) {
+  Args b = a;
+  b.w = static_cast<const typename Store<F>::T*>(a.w) + row0 * a.K;
+  b.scale = a.scale ? a.scale + row0 * a.ng : nullptr;
+  b.out = dst;
+  b.N = n;
+  return b;
+}
+
+// SwiGLU on the streaming kernel: out[M, I] = silu(x @ gate^T) * (x @ up^T), w = [gate; up]
+// [2I, K] (model/fused.py's gate_up_proj). The threads split the I columns; each computes the gate
+// and the up rows of its own columns (the same sums as stream() gives them) into a scratch that
+// stays in its caches and applies silu * up there. With stream() and the SiLU in the compiled
+// graph, one thread ran the SiLU over rows the other had written, reading them core to core while
+// the other idled: a SmolLM2 batch-8 fp32 step spent ~0.65 ms of its ~20 ms there (perf).
+// At M <= 8 a thread's gate rows and up rows are two streams; larger M takes half an L2 tile of
+// each at a time.
+template <Fmt F, Scale S>
+void stream_swiglu(const Args& a, int64_t M, float* out) {
+  const int64_t I = a.N / 2;
+  const Plan p = plan<F>(a, M);
+  const int64_t chunk = p.passes == 1 ? I : std::max<int64_t>(U, p.tile / 2 / U * U);
+  at::parallel_for(0, (I + U - 1) / U, std::max<int64_t>(1, p.grain / 2), [&](int64_t u0, int64_t u1) {
+    const int64_t c0 = u0 * U, c1 = std::min(I, u1 * U);
+    std::vector<float> buf(2 * M * std::min(chunk, c1 - c0));
+    for (int64_t j0 = c0; j0 < c1; j0 += chunk) {
+      const int64_t n = std::min(chunk, c1 - j0);
+      float* g = buf.data();
+      float* u = g + M * n;
+      rows_range<F, S>(row_slice<F>(a, j0, n, g), M, p, 0, n);
+      rows_range<F, S>(row_slice<F>(a, I + j0, n, u), M, p, 0, n);
+      for (int64_t m = 0; m < M; ++m) silu_mul_row(g + m * n, u + m * n, out + m * I + j0, n);
     }
   });
 }
@@ -551,61 +630,115 @@ void run_large(const Args& a, const at::Tensor& x, at::Tensor& out) {
   });
 }
 
+// A call's checked arguments: contiguous tensors kept alive for the pointers in `a` (a.out is the
+// caller's).
+struct Call {
+  at::Tensor x, w, scale;
+  std::vector<int32_t> gidx;
+  Args a;
+  Scale S;
+  int64_t M;
+};
+
 template <Fmt F>
-at::Tensor lowp_linear(const char* name, const at::Tensor& x, const at::Tensor& w, const at::Tensor* scale) {
+Call prepare(const char* name, const at::Tensor& x, const at::Tensor& w, const at::Tensor* scale) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2, name, ": expected x [M, K] and w [N, K], got ", x.sizes(), " and ",
               w.sizes());
   TORCH_CHECK(x.size(1) == w.size(1), name, ": x has K=", x.size(1), " but w has K=", w.size(1));
   TORCH_CHECK(x.scalar_type() == at::kFloat, name, ": x must be float32, got ", x.scalar_type());
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), name, ": CPU tensors only");
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  Scale S = Scale::None;
-  at::Tensor sc;
+  const int64_t K = x.size(1), N = w.size(0);
+  Call c;
+  c.S = Scale::None;
+  c.M = x.size(0);
   int64_t ng = 0;
-  std::vector<int32_t> gidx;
   if (scale) {
     TORCH_CHECK(scale->scalar_type() == at::kFloat && scale->device().is_cpu(), name,
                 ": scale must be a float32 CPU tensor, got ", scale->scalar_type());
     TORCH_CHECK(scale->dim() == 1 || scale->dim() == 2, name, ": scale must be [N] or [N, K / G], got ",
                 scale->sizes());
     TORCH_CHECK(scale->size(0) == N, name, ": scale has ", scale->size(0), " rows, w has ", N);
-    sc = scale->contiguous();
+    c.scale = scale->contiguous();
     if (scale->dim() == 1) {
-      S = Scale::Row;
+      c.S = Scale::Row;
       ng = 1;
     } else {
       ng = scale->size(1);
       TORCH_CHECK(ng > 0 && K % ng == 0 && (K / ng) % 16 == 0, name,
                   ": group scales [N, K / G] need G = K / scale.size(1) to be a whole multiple of 16; got K=", K,
                   " and ", ng, " groups");
-      S = Scale::Group;
+      c.S = Scale::Group;
       const int64_t G = K / ng;
-      gidx.resize(K / 16);
-      for (int64_t i = 0; i < K / 16; ++i) gidx[i] = static_cast<int32_t>((i * 16) / G);
+      c.gidx.resize(K / 16);
+      for (int64_t i = 0; i < K / 16; ++i) c.gidx[i] = static_cast<int32_t>((i * 16) / G);
     }
   }
-  auto out = at::empty({M, N}, x.options());
-  if (M == 0 || N == 0) return out;
-  if (K == 0) return out.zero_();
-  auto xc = x.contiguous();
-  auto wc = w.contiguous();
-  Args a{xc.data_ptr<float>(), wc.data_ptr(),      S == Scale::None ? nullptr : sc.data_ptr<float>(),
-         gidx.data(),          out.data_ptr<float>(), K, N, ng};
-  if (F == Fmt::F32 && M > stream_rows_max()) {  // AVX2-only CPUs: MKL's sgemm, nothing to convert
-    at::mm_out(out, xc, wc.t());
-  } else if (M <= stream_rows_max()) {
-    switch (S) {
-      case Scale::None: stream<F, Scale::None>(a, M); break;
-      case Scale::Row: stream<F, Scale::Row>(a, M); break;
-      case Scale::Group: stream<F, Scale::Group>(a, M); break;
-    }
+  c.x = x.contiguous();
+  c.w = w.contiguous();
+  c.a = Args{c.x.data_ptr<float>(), c.w.data_ptr(), c.scale.defined() ? c.scale.data_ptr<float>() : nullptr,
+             c.gidx.data(),         nullptr,         K,
+             N,                     ng};
+  return c;
+}
+
+// f(std::integral_constant<Scale, S>) for the call's scale kind.
+template <typename Fn>
+void with_scale(Scale S, Fn&& f) {
+  switch (S) {
+    case Scale::None: f(std::integral_constant<Scale, Scale::None>{}); break;
+    case Scale::Row: f(std::integral_constant<Scale, Scale::Row>{}); break;
+    case Scale::Group: f(std::integral_constant<Scale, Scale::Group>{}); break;
+  }
+}
+
+// out[M, N] = x @ dequant(w)^T for a prepared call (a.out = out, K > 0).
+template <Fmt F, Scale S>
+void linear_into(const Call& c, const Args& a, at::Tensor& out) {
+  if (F == Fmt::F32 && c.M > stream_rows_max()) {  // AVX2-only CPUs: MKL's sgemm, nothing to convert
+    at::mm_out(out, c.x, c.w.t());
+  } else if (c.M <= stream_rows_max()) {
+    stream<F, S>(a, c.M);
   } else {
-    switch (S) {
-      case Scale::None: run_large<F, Scale::None>(a, xc, out); break;
-      case Scale::Row: run_large<F, Scale::Row>(a, xc, out); break;
-      case Scale::Group: run_large<F, Scale::Group>(a, xc, out); break;
-    }
+    run_large<F, S>(a, c.x, out);
   }
+}
+
+template <Fmt F>
+at::Tensor lowp_linear(const char* name, const at::Tensor& x, const at::Tensor& w, const at::Tensor* scale) {
+  Call c = prepare<F>(name, x, w, scale);
+  auto out = at::empty({c.M, c.a.N}, x.options());
+  if (c.M == 0 || c.a.N == 0) return out;
+  if (c.a.K == 0) return out.zero_();
+  c.a.out = out.data_ptr<float>();
+  with_scale(c.S, [&](auto s) { linear_into<F, decltype(s)::value>(c, c.a, out); });
+  return out;
+}
+
+// out[M, I] = silu(x @ gate^T) * (x @ up^T) for w = [gate; up] [2I, K].
+template <Fmt F>
+at::Tensor lowp_swiglu(const at::Tensor& x, const at::Tensor& w, const at::Tensor* scale) {
+  Call c = prepare<F>("swiglu", x, w, scale);
+  TORCH_CHECK(c.a.N % 2 == 0, "swiglu: w must stack gate and up rows [2I, K], got ", c.a.N, " rows");
+  const int64_t I = c.a.N / 2, M = c.M;
+  auto out = at::empty({M, I}, x.options());
+  if (M == 0 || I == 0) return out;
+  if (c.a.K == 0) return out.zero_();
+  with_scale(c.S, [&](auto s) {
+    constexpr Scale S = decltype(s)::value;
+    if (M <= stream_rows_max()) {
+      stream_swiglu<F, S>(c.a, M, out.data_ptr<float>());
+      return;
+    }
+    auto full = at::empty({M, 2 * I}, x.options());  // AVX2 at M > 32: at::mm, then the SiLU
+    Args a = c.a;
+    a.out = full.data_ptr<float>();
+    linear_into<F, S>(c, a, full);
+    const float* f = full.data_ptr<float>();
+    float* o = out.data_ptr<float>();
+    at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
+      for (int64_t m = m0; m < m1; ++m) silu_mul_row(f + m * 2 * I, f + m * 2 * I + I, o + m * I, I);
+    });
+  });
   return out;
 }
 
@@ -631,11 +764,23 @@ at::Tensor linear_i8(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   return lowp_linear<Fmt::I8>("linear_i8", x, w, &scale);
 }
 
+// The weight's dtype picks the format, as for the linear ops; int8 needs its scale.
+at::Tensor swiglu(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& scale) {
+  const auto t = w.scalar_type();
+  TORCH_CHECK(scale.has_value() == (t == at::kChar), "swiglu: int8 weights take a scale, other formats none");
+  if (t == at::kFloat) return lowp_swiglu<Fmt::F32>(x, w, nullptr);
+  if (t == at::kHalf) return lowp_swiglu<Fmt::F16>(x, w, nullptr);
+  if (t == at::kBFloat16) return lowp_swiglu<Fmt::BF16>(x, w, nullptr);
+  TORCH_CHECK(t == at::kChar, "swiglu: w must be float32, float16, bfloat16 or int8, got ", t);
+  return lowp_swiglu<Fmt::I8>(x, w, &*scale);
+}
+
 TORCH_LIBRARY(nxdc, m) {
   m.def("linear_f32(Tensor x, Tensor w) -> Tensor");
   m.def("linear_f16(Tensor x, Tensor w) -> Tensor");
   m.def("linear_bf16(Tensor x, Tensor w) -> Tensor");
   m.def("linear_i8(Tensor x, Tensor w, Tensor scale) -> Tensor");
+  m.def("swiglu(Tensor x, Tensor w, Tensor? scale=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(nxdc, CPU, m) {
@@ -643,4 +788,5 @@ TORCH_LIBRARY_IMPL(nxdc, CPU, m) {
   m.impl("linear_f16", &linear_f16);
   m.impl("linear_bf16", &linear_bf16);
   m.impl("linear_i8", &linear_i8);
+  m.impl("swiglu", &swiglu);
 }

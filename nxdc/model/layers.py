@@ -70,6 +70,19 @@ class Linear(nn.Module):
             return y + self.bias if self.bias is not None else y
         return F.linear(x, self.weight, self.bias)
 
+    def swiglu(self, x: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` for a weight that stacks ``[gate; up]`` (an MLP's gate_up_proj).
+        With the kernels (fp32 activations, no bias) one ``nxdc::swiglu`` call does both matvecs and
+        the product, each thread on its own columns (``kernels/linear.cpp``); otherwise this
+        Linear, then PyTorch's SiLU on the halves."""
+        if self.kernels and self.bias is None and x.dtype == torch.float32:
+            k = x.shape[-1]
+            scale = self.scale if self.stored == "int8" else None
+            y = torch.ops.nxdc.swiglu(x.reshape(-1, k), self.weight, scale)
+            return y.view(*x.shape[:-1], y.shape[-1])
+        gate, up = self(x).chunk(2, dim=-1)
+        return F.silu(gate) * up
+
     def _reduced(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernels:
             args = (x, self.weight, self.scale) if self.stored == "int8" else (x, self.weight)
@@ -120,8 +133,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(i, h, b, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.gate_up_proj.swiglu(x))
 
 
 def inv_freq(rope: RopeSpec, head_dim: int) -> torch.Tensor:
