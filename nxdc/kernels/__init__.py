@@ -95,6 +95,10 @@ def ensure_loaded() -> bool:
         d = build_dir()
         d.mkdir(parents=True, exist_ok=True)
         with FileLock(str(d / ".build.lock")):
+            # torch's own build baton: a file `lock` that load() waits on for as long as it exists. A
+            # build interrupted by Ctrl-C leaves it behind, and every later run would hang; under
+            # .build.lock (held by any nxdc that builds here, released when it dies) it is stale.
+            (d / "lock").unlink(missing_ok=True)
             so = load(
                 name="nxdc_kernels",
                 sources=[str(s) for s in SOURCES],
