@@ -39,7 +39,7 @@ def main() -> None:
     from nxdc.generation.loop import generate
     from nxdc.generation.speculative import DraftModel, PromptLookup, Speculator
     from nxdc.plan import ExportOptions
-    from nxdc.runtime.session import Session
+    from nxdc.runtime.runner import Runner
 
     out = ROOT / "bench" / "exports"
     common = dict(sequence_length=512, context_buckets=(128,), decode_buckets=(512,))
@@ -47,8 +47,8 @@ def main() -> None:
     run_export("smollm2-135m", target_dir, ExportOptions(**common, speculation_length=args.k))
     run_export("smollm2-135m", draft_dir, ExportOptions(**common, num_layers=args.draft_layers))
     tok = AutoTokenizer.from_pretrained(target_dir)
-    target = Session(target_dir)
-    draft = DraftModel(Session(draft_dir), target)
+    target = Runner.load(target_dir)
+    draft = DraftModel(Runner.load(draft_dir), target)
 
     def run(prompt, drafter):
         rates, res = [], None

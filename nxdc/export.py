@@ -294,6 +294,9 @@ def run_export(
                 "kernels": kernels,
                 **({"kernel_library": kernel_library} if kernel_library else {}),
                 "artifacts": artifacts,
+                # decode / verify graphs take a negative position for an idle batch row and write
+                # nothing there (exports without this key fed idle rows token 0 at slot 0)
+                "idle_rows": True,
                 "created": time.time(),
             }
             # The manifest is written last: a directory without it is never taken as an export.

@@ -19,6 +19,8 @@ DTYPES = ("fp32", "bf16")
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 KV_FORMATS = ("fp32", "fp16", "bf16")
 BACKENDS = ("inductor", "neuron")
+# ExportOptions that hold a list of integers (comma-separated on the command line)
+LIST_OPTIONS = ("context_buckets", "decode_buckets", "chunk_buckets", "decode_batch_sizes")
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,10 @@ class ExportOptions:
     weights: str | None = None  # storage of linear-layer weights: fp32 | fp16 | bf16 | int8 (default: dtype)
     kv_cache: str | None = None  # storage of the KV cache: fp32 | fp16 | bf16 (default: stored_kv_cache)
     num_layers: int | None = None  # keep only the first L layers (a self-draft for speculation)
+    # `nxdc serve`: single-row prefill graphs of these chunk lengths (docs/serve.md)
+    chunk_buckets: tuple[int, ...] | None = None
+    # decode graphs that step only this many of the batch's rows (fewer busy rows: cheaper steps)
+    decode_batch_sizes: tuple[int, ...] | None = None
 
     @classmethod
     def fields(cls) -> set[str]:
@@ -85,11 +91,21 @@ class ExportPlan:
 
     @property
     def decode(self) -> list[Bucket]:
-        return [b for b in self.buckets if b.kind == "decode"]
+        return [b for b in self.buckets if b.kind == "decode" and b.batch is None]
+
+    @property
+    def row_decode(self) -> list[Bucket]:
+        """Decode graphs over ``batch`` of the batch's rows, named at run time."""
+        return [b for b in self.buckets if b.kind == "decode" and b.batch is not None]
 
     @property
     def verify(self) -> list[Bucket]:
         return [b for b in self.buckets if b.kind == "verify"]
+
+    @property
+    def chunks(self) -> list[Bucket]:
+        """Single-row prefill graphs (``nxdc serve``)."""
+        return [b for b in self.buckets if b.kind == "chunk"]
 
 
 def load_preset(path: str | os.PathLike) -> dict[str, Any]:
@@ -109,7 +125,7 @@ def load_preset(path: str | os.PathLike) -> dict[str, Any]:
             f"config file {path}: unknown keys {', '.join(sorted(unknown))} "
             f"(known: {', '.join(sorted(ExportOptions.fields()))})"
         )
-    for key in ("context_buckets", "decode_buckets"):
+    for key in LIST_OPTIONS:
         if key in out:
             out[key] = tuple(out[key])
     if "model" in data:
@@ -190,6 +206,7 @@ def make_plan(spec: ModelSpec, opts: ExportOptions, check_device: bool = True) -
         raise UserInputError(f"--speculation-length {k} needs decode buckets of more than {k + 1} slots")
     if k:  # one verify graph per decode cache length: K+1 tokens scored against the cache
         buckets += [Bucket("verify", n) for n in dec]
+    buckets += _serving_buckets(opts, dec)
     weights = _weight_format(opts)
     return ExportPlan(
         tp=opts.tp,
@@ -204,6 +221,25 @@ def make_plan(spec: ModelSpec, opts: ExportOptions, check_device: bool = True) -
         kv_cache=stored_kv_cache(opts.kv_cache, weights, opts.dtype),
         source_num_layers=spec.num_layers if opts.num_layers else None,
     )
+
+
+def _serving_buckets(opts: ExportOptions, dec: list[int]) -> list[Bucket]:
+    """``--chunk-buckets``: single-row prefill graphs; ``--decode-batch-sizes``: decode graphs over
+    fewer rows than the batch, one per decode cache length."""
+    out = []
+    if opts.chunk_buckets:
+        chunks = context_buckets(opts.sequence_length, 1, opts.chunk_buckets, kind="chunk")
+        out += [Bucket("chunk", n) for n in chunks]
+    if opts.decode_batch_sizes:
+        sizes = sorted(set(opts.decode_batch_sizes))
+        bad = [b for b in sizes if not isinstance(b, int) or not 1 <= b < opts.batch_size]
+        if bad:
+            raise UserInputError(
+                f"--decode-batch-sizes must lie in 1..{opts.batch_size - 1} (below --batch-size "
+                f"{opts.batch_size}); got {bad[0]!r}"
+            )
+        out += [Bucket("decode", n, b) for b in sizes for n in dec]
+    return out
 
 
 def read_config_json(path: str | os.PathLike) -> dict[str, Any]:

@@ -16,7 +16,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("NXDC_TP_TIMEOUT_S", "120")  # a hung collective fails a test instead of stalling CI
 warnings.filterwarnings("ignore", category=FutureWarning)
 
-from tiny import GQA_EXPORT, make_tiny_llama  # noqa: E402
+from tiny import GQA_EXPORT, SERVE_EXPORT, make_tiny_llama  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -48,6 +48,17 @@ def tiny_gqa_export(tiny_gqa, cache_dir, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("exports") / "tiny-gqa"
     opts = ExportOptions(**GQA_EXPORT)
     run_export(str(tiny_gqa), out, opts)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_serve_export(tiny_gqa, cache_dir, tmp_path_factory) -> Path:
+    """The tiny GQA model with the graphs `nxdc serve` needs (tiny.SERVE_EXPORT)."""
+    from nxdc.export import run_export
+    from nxdc.plan import ExportOptions
+
+    out = tmp_path_factory.mktemp("exports") / "tiny-serve"
+    run_export(str(tiny_gqa), out, ExportOptions(**SERVE_EXPORT))
     return out
 
 

@@ -63,14 +63,14 @@ def tiny_export_check(export, reference_export) -> float:
 
     from nxdc.generation.loop import generate
     from nxdc.generation.speculative import PromptLookup, Speculator
-    from nxdc.runtime.session import Session
-    from nxdc.runtime.workers import open_session
+    from nxdc.runtime.runner import Runner
+    from nxdc.runtime.workers import open_runner
 
     torch.manual_seed(5)
     ids, lens = torch.randint(3, 256, (2, 24)), [9, 14]
-    ref = Session(reference_export)
+    ref = Runner.load(reference_export)
     want = nxdc_logits(ref.prefill, ref.decode, ids, lens)
-    sess = open_session(export)
+    sess = open_runner(export)
     try:
         got = nxdc_logits(sess.prefill, sess.decode, ids, lens)
         prompts = ["w1 w2 w3 w4 w1 w2 w3", "w5 w6 w5 w6"]

@@ -275,14 +275,14 @@ def arch_exports(tiny_ckpt, cache_dir, tmp_path_factory):
 )
 def test_compiled_matches_transformers(arch, dtype, tp, tiny_ckpt, arch_exports):
     from nxdc.generation.loop import generate
-    from nxdc.runtime.workers import open_session
+    from nxdc.runtime.workers import open_runner
 
     ckpt = tiny_ckpt(arch)
     hf = hf_model(ckpt, dtype)
     ids = clear_prompt(hf)
     ref = reference_logits(hf, ids)
     out = arch_exports(arch, dtype, tp)
-    sess = open_session(out)
+    sess = open_runner(out)
     try:
         err = max_error(ref, nxdc_logits(sess.prefill, sess.decode, ids, LENS), LENS)
         print(f"\ncompiled {arch} tp {tp} {dtype}: max abs logit error {err:.2e}")

@@ -17,7 +17,7 @@ from test_weights import TINY_TOL as TOL  # against fp32 weights
 
 from nxdc.export import run_export
 from nxdc.plan import ExportOptions
-from nxdc.runtime.session import Session
+from nxdc.runtime.runner import Runner
 
 pytestmark = [
     pytest.mark.slow,
@@ -52,7 +52,7 @@ def cuda_exports(tiny_gqa, cache_dir, tmp_path_factory):
 
 
 def _teacher_forced(export, ids, lens):
-    sess = Session(export)
+    sess = Runner.load(export)
     return nxdc_logits(sess.prefill, sess.decode, ids, lens)
 
 
@@ -90,7 +90,7 @@ def test_cuda_speculation_reproduces_greedy(cuda_exports):
     from nxdc.generation.loop import generate
     from nxdc.generation.speculative import PromptLookup, Speculator
 
-    sess = Session(cuda_exports["fp32"])
+    sess = Runner.load(cuda_exports["fp32"])
     prompts, tok = ["w1 w2 w3 w4 w1 w2 w3", "w5 w6 w5 w6"], tiny_tokenizer()
     plain = generate(sess, tok, prompts, max_new_tokens=12, eos_ids=set())
     spec = generate(sess, tok, prompts, 12, eos_ids=set(), speculator=Speculator(PromptLookup(3), 2, sess))

@@ -15,7 +15,7 @@ from tiny import GQA_EXPORT
 from nxdc.cache.store import CompileCache
 from nxdc.export import run_export
 from nxdc.plan import ExportOptions
-from nxdc.runtime.session import Session
+from nxdc.runtime.runner import Runner
 
 pytestmark = pytest.mark.slow
 
@@ -27,7 +27,7 @@ def hf_model(path, dtype=torch.float32):
 
 
 def test_compiled_logits_match_transformers_fp32_gqa(tiny_gqa, tiny_gqa_export):
-    sess = Session(tiny_gqa_export)
+    sess = Runner.load(tiny_gqa_export)
     torch.manual_seed(3)
     ids = torch.randint(3, 256, (2, 40))
     lens = [30, 7]  # prefill in bucket 32; decode crosses from the 32-slot to the 64-slot graph
@@ -38,7 +38,7 @@ def test_compiled_logits_match_transformers_fp32_gqa(tiny_gqa, tiny_gqa_export):
 
 def test_compiled_logits_match_transformers_bf16_mha_tied(tiny_mha_bf16_export):
     src, out = tiny_mha_bf16_export
-    sess = Session(out)
+    sess = Runner.load(out)
     torch.manual_seed(4)
     ids = torch.randint(3, 256, (1, 30))
     ref = reference_logits(hf_model(src, torch.bfloat16), ids)
@@ -53,7 +53,7 @@ def test_greedy_generation_matches_transformers(tiny_gqa, tiny_gqa_export):
 
     tok = AutoTokenizer.from_pretrained(tiny_gqa_export)
     prompts = ["w1 w2 w3 w4 w5 w6", "w7 w8"]
-    res = generate(Session(tiny_gqa_export), tok, prompts, max_new_tokens=20, eos_ids=set())
+    res = generate(Runner.load(tiny_gqa_export), tok, prompts, max_new_tokens=20, eos_ids=set())
     model = hf_model(tiny_gqa)
     for prompt, seq in zip(prompts, res.sequences, strict=True):
         ids = tok(prompt, return_tensors="pt").input_ids
@@ -90,7 +90,7 @@ def test_corrupt_entry_is_rebuilt(tiny_gqa, tiny_gqa_export, tmp_path, cache_dir
     assert by_name["context-16"].hit and by_name["context-32"].hit
     # the rebuilt graph is sound: same logits as the original export
     ids = torch.randint(3, 256, (2, 12))
-    a, b = Session(tiny_gqa_export), Session(tmp_path / "rebuilt")
+    a, b = Runner.load(tiny_gqa_export), Runner.load(tmp_path / "rebuilt")
     for s in (a, b):
         s.prefill([ids[0, :8].tolist(), ids[1, :5].tolist()])
     pos = torch.tensor([40, 35])  # positions >= 32: the decode-64 graph
@@ -128,7 +128,7 @@ def test_reexport_replaces_only_when_complete(tiny_gqa, tiny_gqa_export, tmp_pat
     with pytest.raises(RuntimeError):
         run_export(str(tiny_gqa), out, ExportOptions(**GQA_EXPORT))
     assert (out / "nxdc.json").is_file()
-    Session(out)  # still loads
+    Runner.load(out)  # still loads
 
 
 def test_two_concurrent_exports_share_one_cache(tiny_gqa, tmp_path):
@@ -161,7 +161,7 @@ def test_two_concurrent_exports_share_one_cache(tiny_gqa, tmp_path):
     entries = list(CompileCache(tmp_path / "cache").entries())
     assert len(entries) == 2 and all(verify_entry(d) is None for d, _ in entries)
     for i in range(2):
-        Session(tmp_path / f"out{i}")
+        Runner.load(tmp_path / f"out{i}")
     # and `nxdc cache verify` (what a user runs) re-hashes both entries and finds nothing corrupt
     res = subprocess.run(
         [sys.executable, "-m", "nxdc.cli.main", "cache", "verify", "--json"],

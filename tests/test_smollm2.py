@@ -8,7 +8,7 @@ import torch
 from parity import hf_greedy, max_error, nxdc_logits, reference_logits
 
 from nxdc.generation.loop import encode_prompts, generate
-from nxdc.runtime.session import Session
+from nxdc.runtime.runner import Runner
 
 pytestmark = pytest.mark.slow
 
@@ -36,7 +36,7 @@ def test_gguf_weights_match_transformers(smollm2_reference):
 
 def test_logits_match_transformers(smollm2_export, smollm2_reference):
     model, tok = smollm2_reference
-    sess = Session(smollm2_export)
+    sess = Runner.load(smollm2_export)
     ids = torch.tensor([encode_prompts(tok, [PROMPTS[0]], chat=True)[0] + [504, 3458, 282, 4649, 314]])
     n = ids.shape[1] - 5
     err = max_error(reference_logits(model, ids), nxdc_logits(sess.prefill, sess.decode, ids, [n]), [n])
@@ -50,7 +50,7 @@ def test_greedy_32_tokens_match_transformers(smollm2_export, smollm2_reference, 
 
     model, ref_tok = smollm2_reference
     tok = AutoTokenizer.from_pretrained(smollm2_export)
-    res = generate(Session(smollm2_export), tok, [prompt], max_new_tokens=32, chat=True, eos_ids=set())
+    res = generate(Runner.load(smollm2_export), tok, [prompt], max_new_tokens=32, chat=True, eos_ids=set())
     ids = torch.tensor([encode_prompts(ref_tok, [prompt], chat=True)[0]])
     assert ids[0].tolist() == encode_prompts(tok, [prompt], chat=True)[0]  # same tokenizer after export
     assert res.sequences[0].token_ids == hf_greedy(model, ids, 32, pad_token_id=2)

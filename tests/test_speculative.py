@@ -15,7 +15,7 @@ from nxdc.cli.main import app
 from nxdc.generation.loop import generate
 from nxdc.generation.sampling import Sampler, SamplingParams
 from nxdc.generation.speculative import DraftModel, PromptLookup, Speculator, accept
-from nxdc.runtime.session import Session
+from nxdc.runtime.runner import Runner
 
 K = 4  # the exports' verify graphs score K draft tokens (+1) per call
 SMOLLM2 = dict(batch_size=1, sequence_length=128, context_buckets=(64,))  # as conftest's smollm2_export
@@ -56,7 +56,7 @@ def _ids(res):
 
 @pytest.mark.parametrize("k", [1, 2, K])
 def test_prompt_lookup_greedy_equals_plain_tiny(tiny_spec_export, k):
-    sess = Session(tiny_spec_export)
+    sess = Runner.load(tiny_spec_export)
     plain = _plain(sess, TINY_PROMPTS)
     spec = _plain(sess, TINY_PROMPTS, speculator=Speculator(PromptLookup(3), k, sess))
     assert _ids(spec) == _ids(plain)
@@ -67,9 +67,9 @@ def test_prompt_lookup_greedy_equals_plain_tiny(tiny_spec_export, k):
 
 @pytest.mark.parametrize("k", [1, 3, K])
 def test_draft_model_greedy_equals_plain_tiny(tiny_spec_export, tiny_draft_export, k):
-    sess = Session(tiny_spec_export)
+    sess = Runner.load(tiny_spec_export)
     plain = _plain(sess, TINY_PROMPTS)
-    drafter = DraftModel(Session(tiny_draft_export), sess)
+    drafter = DraftModel(Runner.load(tiny_draft_export), sess)
     spec = _plain(sess, TINY_PROMPTS, speculator=Speculator(drafter, k, sess))
     assert _ids(spec) == _ids(plain)
     assert spec.speculation["proposed"] > 0
@@ -102,7 +102,7 @@ class _Oracle:
 
 @pytest.mark.parametrize("bad", [*range(K), None])
 def test_rejection_at_every_window_position(tiny_spec_export, bad):
-    sess = Session(tiny_spec_export)
+    sess = Runner.load(tiny_spec_export)
     tok = tiny_tokenizer()
     plain = _plain(sess, TINY_PROMPTS, n=30)
     prompts = [tok(p)["input_ids"] for p in TINY_PROMPTS]
@@ -161,8 +161,8 @@ def test_speculative_sampling_matches_target_distribution(draft_kind):
 def test_speculative_sampling_end_to_end_chi_square(tiny_spec_export, tiny_draft_export):
     """Joint distribution of the 2nd and 3rd tokens (made by verify calls) over many seeds:
     speculative sampling with the draft model vs plain sampling (two-sample chi-square)."""
-    sess = Session(tiny_spec_export)
-    drafter = DraftModel(Session(tiny_draft_export), sess)
+    sess = Runner.load(tiny_spec_export)
+    drafter = DraftModel(Runner.load(tiny_draft_export), sess)
     prompt = ["w1 w2 w3"]
     seen: dict[tuple, list[int]] = {}
     runs = 600
@@ -259,14 +259,14 @@ def test_smollm2_prompt_lookup_and_self_draft_greedy_equal_plain(
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(smollm2_spec_export)
-    sess = Session(smollm2_spec_export)
+    sess = Runner.load(smollm2_spec_export)
     prompts = [
         *PROMPTS[:2],
         "Repeat exactly: the quick brown fox jumps over the lazy dog. the quick brown fox",
     ]
     for p in prompts:
         plain = generate(sess, tok, [p], max_new_tokens=32, chat=True, eos_ids=set())
-        for drafter in (PromptLookup(3), DraftModel(Session(smollm2_draft_export), sess)):
+        for drafter in (PromptLookup(3), DraftModel(Runner.load(smollm2_draft_export), sess)):
             spec = generate(
                 sess,
                 tok,

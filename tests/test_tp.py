@@ -21,8 +21,8 @@ from nxdc.export import run_export
 from nxdc.generation.loop import encode_prompts, generate
 from nxdc.model.parallel import check_tp, shard_layout
 from nxdc.plan import ExportOptions
-from nxdc.runtime.session import Session
-from nxdc.runtime.workers import open_session
+from nxdc.runtime.runner import Runner
+from nxdc.runtime.workers import open_runner
 from nxdc.spec import spec_from_config
 
 # The tiny GQA source (4 heads / 2 KV heads) at these degrees hits every layout.
@@ -49,7 +49,7 @@ def tp_exports(tmp_path_factory, cache_dir):
 
 
 def sharded_logits(export_dir, ids, lens):
-    sess = open_session(export_dir)
+    sess = open_runner(export_dir)
     try:
         return nxdc_logits(sess.prefill, sess.decode, ids, lens)
     finally:
@@ -87,7 +87,7 @@ def test_tiny_logits_equal_tp1(tp, tiny_gqa, tiny_gqa_export, tp_exports):
     torch.manual_seed(tp)
     ids = torch.randint(3, 256, (2, 24))
     lens = [10, 7]
-    base = Session(tiny_gqa_export)
+    base = Runner.load(tiny_gqa_export)
     want = nxdc_logits(base.prefill, base.decode, ids, lens)
     out = tp_exports(str(tiny_gqa), tp, **TINY_TP_EXPORT)
     got = sharded_logits(out, ids, lens)
@@ -101,7 +101,7 @@ def test_tiny_logits_equal_tp1(tp, tiny_gqa, tiny_gqa_export, tp_exports):
     tok = AutoTokenizer.from_pretrained(tiny_gqa_export)
     prompts = ["w1 w2 w3 w4 w5 w6", "w7 w8"]
     plain = generate(base, tok, prompts, max_new_tokens=48, eos_ids=set())
-    sess = open_session(out)
+    sess = open_runner(out)
     try:
         sharded = generate(sess, tok, prompts, max_new_tokens=48, eos_ids=set())
     finally:
@@ -133,9 +133,9 @@ def test_smollm2_logits_and_greedy_equal_tp1(tp, smollm2_export, tp_exports):
     out = tp_exports("smollm2-135m", tp, **SMOLLM2_EXPORT)
     ids = torch.tensor([encode_prompts(tok, [PROMPTS[0]], chat=True)[0] + [504, 3458, 282, 4649, 314]])
     n = ids.shape[1] - 5
-    base = Session(smollm2_export)
+    base = Runner.load(smollm2_export)
     want = nxdc_logits(base.prefill, base.decode, ids, [n])[0]
-    sess = open_session(out)
+    sess = open_runner(out)
     try:
         got = nxdc_logits(sess.prefill, sess.decode, ids, [n])[0]
         err = (want - got).abs().max().item()

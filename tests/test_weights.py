@@ -116,7 +116,7 @@ def test_smollm2_int8_export_matches_eager_int8(smollm2_int8_export, smollm2_exp
 
     from nxdc.generation.loop import encode_prompts, generate
     from nxdc.model.decoder import Decoder
-    from nxdc.runtime.session import Session
+    from nxdc.runtime.runner import Runner
 
     d = smollm2_int8_export
     assert json.loads((d / "nxdc.json").read_text())["plan"]["weights"] == "int8"
@@ -126,7 +126,7 @@ def test_smollm2_int8_export_matches_eager_int8(smollm2_int8_export, smollm2_exp
     size = lambda e: (e / "weights" / "rank0.safetensors").stat().st_size  # noqa: E731
     assert size(d) < 0.3 * size(smollm2_export)
 
-    sess = Session(d)
+    sess = Runner.load(d)
     tok = AutoTokenizer.from_pretrained(d)
     ids = torch.tensor([encode_prompts(tok, [PROMPTS[0]], chat=True)[0] + [504, 3458, 282, 4649, 314]])
     n = ids.shape[1] - 5
@@ -143,7 +143,7 @@ def test_smollm2_int8_export_matches_eager_int8(smollm2_int8_export, smollm2_exp
         < 2e-3
     )
 
-    ref = Session(smollm2_export)
+    ref = Runner.load(smollm2_export)
     agree = total = 0
     for p in PROMPTS:
         a = generate(sess, tok, [p], max_new_tokens=24, chat=True, eos_ids=set()).sequences[0].token_ids

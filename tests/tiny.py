@@ -10,6 +10,16 @@ WORDS = [f"w{i}" for i in range(253)]
 
 # The shared tiny GQA export: two prefill buckets and two decode buckets, batch 2.
 GQA_EXPORT = dict(batch_size=2, sequence_length=64, context_buckets=(16, 32), decode_buckets=(32, 64))
+# The same model for `nxdc serve`: 8 rows, single-row prefill chunks of 8 and 32 tokens, decode
+# graphs over all 8 rows and over 1 row.
+SERVE_EXPORT = dict(
+    batch_size=8,
+    sequence_length=64,
+    context_buckets=(32,),
+    decode_buckets=(64,),
+    chunk_buckets=(8, 32),
+    decode_batch_sizes=(1,),
+)
 
 
 def tiny_tokenizer():

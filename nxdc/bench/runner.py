@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from nxdc.bench.machine import machine_info, peak_rss_mib
+from nxdc.compile.buckets import pick_context_bucket
 from nxdc.errors import UserInputError
 from nxdc.manifest import load_manifest
 
@@ -54,7 +55,7 @@ def run_bench(
     progress: Callable[[str], None] | None = None,
 ) -> dict:
     from nxdc.runtime.threads import apply_threads
-    from nxdc.runtime.workers import open_session
+    from nxdc.runtime.workers import open_runner
 
     if runs < 1 or warmup < 0 or new_tokens < 2:
         raise UserInputError("--runs must be >= 1, --warmup >= 0 and --new-tokens >= 2")
@@ -72,9 +73,7 @@ def run_bench(
         with contextlib.ExitStack() as stack:
             configs: list[_Config] = []
             for i in group:
-                sess = stack.enter_context(
-                    contextlib.closing(open_session(export_dirs[i], threads=asked_threads))
-                )
+                sess = stack.enter_context(open_runner(export_dirs[i], threads=asked_threads))
                 configs += _configs(
                     sess, export_dirs[i], i, batch_sizes, prompt_lengths, new_tokens, compare, info
                 )
@@ -118,7 +117,7 @@ def _configs(sess, d, index, batch_sizes, prompt_lengths, new_tokens, compare, i
                 raise UserInputError(
                     f"{d}: prompt {length} + {new_tokens} new tokens exceeds the sequence length {sess.max_seq}"
                 )
-            sess.context_bucket(length)  # clear error if no bucket holds it
+            pick_context_bucket(sess.plan.context, length)  # clear error if no bucket holds it
             ids = [synthetic_prompt(tok, length)] * b
             out.append(_Config(sess, tok, ids, new_tokens, ref, d, index, info["threads"]))
     return out
@@ -137,7 +136,7 @@ class _Config:
     def sample(self) -> float:  # the read ceiling of the device the export runs on
         from nxdc.bench.machine import read_bandwidth_gbs
 
-        return read_bandwidth_gbs(self.threads, reps=3, device=self.sess.device)
+        return read_bandwidth_gbs(self.threads, reps=3, device=self.sess.plan.device)
 
     def generate(self):
         from nxdc.generation.loop import generate
@@ -215,5 +214,5 @@ class _Config:
 
 def _huge_page_fraction(sess) -> float | None:
     """Share of the (rank 0) weights + KV cache the kernel backs with huge pages; None off the host."""
-    arena = sess.arena
+    arena = sess.session.arena
     return arena.huge_bytes() / arena.size if arena is not None else None

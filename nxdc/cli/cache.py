@@ -155,6 +155,8 @@ def pull(
     kv_cache: str = typer.Option(None, "--kv-cache"),
     speculation_length: int = typer.Option(None, "--speculation-length"),
     num_layers: int = typer.Option(None, "--num-layers"),
+    chunk_buckets: str = typer.Option(None, "--chunk-buckets"),
+    decode_batch_sizes: str = typer.Option(None, "--decode-batch-sizes"),
     backend: str = typer.Option(None, "--backend"),
     device: str = typer.Option(None, "--device"),
     remote: str = REMOTE,

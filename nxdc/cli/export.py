@@ -63,6 +63,16 @@ def export(
     num_layers: int = typer.Option(
         None, "--num-layers", help="Keep only the first L layers (a self-draft for speculation)."
     ),
+    chunk_buckets: str = typer.Option(
+        None,
+        "--chunk-buckets",
+        help="Single-row prefill chunks for `nxdc serve`, e.g. 32,128,512 (docs/serve.md).",
+    ),
+    decode_batch_sizes: str = typer.Option(
+        None,
+        "--decode-batch-sizes",
+        help="Also decode graphs stepping only this many batch rows, e.g. 1 (cheaper steps when few are busy).",
+    ),
     backend: str = typer.Option(None, "--backend", help="inductor | neuron. \\[default: inductor]"),
     device: str = typer.Option(None, "--device", help="cpu | cuda[:N] (inductor backend). \\[default: cpu]"),
     cache_dir: Path = typer.Option(
@@ -241,10 +251,10 @@ def export_options(preset: dict, flags: dict):
     """The preset's options overridden by the flags given (``flags``: a command's arguments,
     named as ExportOptions fields; None: not given); bucket lists parsed from their
     comma-separated form. Shared by ``export`` and ``cache pull``."""
-    from nxdc.plan import ExportOptions
+    from nxdc.plan import LIST_OPTIONS, ExportOptions
 
     given = {k: v for k, v in flags.items() if v is not None and k in ExportOptions.fields()}
-    for name in ("context_buckets", "decode_buckets"):
+    for name in LIST_OPTIONS:
         if isinstance(given.get(name), str):
             given[name] = _int_list(given[name], f"--{name.replace('_', '-')}")
     return ExportOptions(**{**preset, **given})

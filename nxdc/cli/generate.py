@@ -44,7 +44,7 @@ def generate(
     N processes (started here; or by torchrun across machines)."""
     from nxdc.generation.sampling import SamplingParams
     from nxdc.runtime.threads import parse_threads
-    from nxdc.runtime.workers import external_rank, open_session, serve
+    from nxdc.runtime.workers import external_rank, follow, open_runner
 
     prompts = list(prompt or [])
     if not prompts:
@@ -55,18 +55,18 @@ def generate(
         parse_threads(threads)
     sampling = SamplingParams(do_sample, temperature, top_k, top_p, seed).validate()
     if external_rank():  # a non-zero rank started by torchrun: compute only, rank 0 prints
-        serve(export_dir, threads or 1)
+        follow(export_dir, threads or 1)
         return
     if draft is not None and prompt_lookup is not None:
         raise UserInputError("--draft and --prompt-lookup are two ways to draft: pick one")
     if speculation_length is not None and draft is None and prompt_lookup is None:
         raise UserInputError("--speculation-length needs --draft or --prompt-lookup")
-    session = open_session(export_dir, threads=threads)  # checks the manifest and versions first
+    runner = open_runner(export_dir, threads=threads)  # checks the manifest and versions first
     try:
         tokenizer = load_tokenizer(export_dir)
-        speculator = _speculator(session, tokenizer, draft, prompt_lookup, speculation_length, threads)
+        speculator = _speculator(runner, tokenizer, draft, prompt_lookup, speculation_length, threads)
         _generate(
-            session,
+            runner,
             tokenizer,
             prompts,
             max_new_tokens,
@@ -79,28 +79,28 @@ def generate(
             speculator,
         )
     finally:
-        session.close()
+        runner.close()
 
 
-def _speculator(session, tokenizer, draft, prompt_lookup, k, threads):
+def _speculator(runner, tokenizer, draft, prompt_lookup, k, threads):
     """The drafter the flags ask for (None: plain decoding)."""
     from nxdc.generation.speculative import DraftModel, PromptLookup, Speculator
 
     if draft is None and prompt_lookup is None:
         return None
     if draft is not None:
-        from nxdc.runtime.session import Session
+        from nxdc.runtime.runner import Runner
 
         if load_tokenizer(draft).get_vocab() != tokenizer.get_vocab():
             raise UserInputError(f"the draft {draft} has a different tokenizer from the target")
-        drafter = DraftModel(Session(draft, threads=threads), session)
+        drafter = DraftModel(Runner.load(draft, threads=threads), runner)
     else:
         drafter = PromptLookup(prompt_lookup)
-    return Speculator(drafter, k or session.speculation_length or 1, session)
+    return Speculator(drafter, k or runner.speculation_length or 1, runner)
 
 
 def _generate(
-    session, tokenizer, prompts, max_new_tokens, sampling, stop, chat, stream, json_out, quiet, speculator
+    runner, tokenizer, prompts, max_new_tokens, sampling, stop, chat, stream, json_out, quiet, speculator
 ):
     from nxdc.generation.loop import generate as run
 
@@ -109,7 +109,7 @@ def _generate(
         sys.stdout.flush()
 
     res = run(
-        session,
+        runner,
         tokenizer,
         prompts,
         max_new_tokens,
@@ -133,13 +133,13 @@ def _generate(
         st = res.to_dict()["stats"]
         err_console.print(
             f"[dim]{st['new_tokens']} new tokens · TTFT {st['ttft_s'] * 1000:.0f} ms · "
-            f"decode {st['decode_tokens_per_s']:.1f} tok/s · {session.threads} threads[/]"
+            f"decode {st['decode_tokens_per_s']:.1f} tok/s · {runner.threads} threads[/]"
         )
         full = sum(s.stop_reason == "max_seq" for s in res.sequences)
         if full:
             which = "" if len(res.sequences) == 1 else f" ({full} of {len(res.sequences)} prompts)"
             err_console.print(
-                f"[yellow]note:[/] stopped at the export's sequence length, {session.max_seq} tokens "
+                f"[yellow]note:[/] stopped at the export's sequence length, {runner.max_seq} tokens "
                 f"(prompt + new){which}; export with a larger --sequence-length for more",
                 soft_wrap=True,
             )

@@ -9,12 +9,19 @@ from nxdc.errors import UserInputError
 
 @dataclass(frozen=True)
 class Bucket:
-    kind: str  # "context" (prefill of up to `length` prompt tokens) | "decode" (attends `length` cache slots)
+    """One compiled graph's shape. ``context``: a prefill of up to ``length`` prompt tokens per
+    sequence; ``decode`` / ``verify``: 1 / K+1 tokens per sequence attending to ``length`` cache
+    slots; ``chunk``: up to ``length`` prompt tokens of one sequence into a batch row chosen at
+    run time (``nxdc serve``). ``batch``: a decode graph that steps only that many of the
+    export's batch rows, named at run time (None: every row)."""
+
+    kind: str
     length: int
+    batch: int | None = None
 
     @property
     def name(self) -> str:
-        return f"{self.kind}-{self.length}"
+        return f"{self.kind}-{self.length}" + (f"-b{self.batch}" if self.batch else "")
 
 
 def context_buckets(

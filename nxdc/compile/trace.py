@@ -10,7 +10,7 @@ import contextlib
 import torch
 
 from nxdc.compile.buckets import Bucket
-from nxdc.model.decoder import ContextEncoding, Decoder, TokenGeneration, Verify
+from nxdc.model.decoder import ContextEncoding, Decoder, RowPrefill, TokenGeneration, Verify
 from nxdc.model.layers import use_kernels
 from nxdc.model.parallel import shard_layout
 from nxdc.plan import ExportPlan
@@ -52,6 +52,8 @@ def graph_for(model: Decoder, bucket: Bucket, speculation: int = 0) -> torch.nn.
         return ContextEncoding(model)
     if bucket.kind == "verify":
         return Verify(model, bucket.length, speculation)
+    if bucket.kind == "chunk":
+        return RowPrefill(model, bucket.length)
     return TokenGeneration(model, bucket.length)
 
 
@@ -62,6 +64,11 @@ def input_specs(bucket: Bucket, batch: int, speculation: int = 0) -> list[tuple[
         return [("input_ids", (batch, bucket.length)), ("last_index", (batch,))]
     if bucket.kind == "verify":
         return [("input_ids", (batch, speculation + 1)), ("start", (batch,))]
+    if bucket.kind == "chunk":
+        return [("input_ids", (1, bucket.length)), ("rows", (1,)), ("start", (1,)), ("last_index", (1,))]
+    if bucket.batch:
+        b = bucket.batch
+        return [("input_ids", (b, 1)), ("positions", (b,)), ("rows", (b,))]
     return [("input_ids", (batch, 1)), ("positions", (batch,))]
 
 

@@ -162,20 +162,21 @@ class Outputs:
         ]
 
 
-def decode_step(session, outs: Outputs, sampler: Sampler) -> None:
-    """One plain decode step: every active sequence's newest token in, one new token each out."""
-    tokens = torch.zeros(session.batch_size, dtype=torch.int64)
-    positions = torch.zeros(session.batch_size, dtype=torch.int64)
-    for i in range(outs.n):
-        if outs.active(i):
-            tokens[i], positions[i] = outs.out[i][-1], outs.position(i)
-    nxt = sampler(session.decode(tokens, positions)[: outs.n])
-    for i in range(outs.n):
-        outs.push(i, int(nxt[i]))
+def decode_step(runner, outs: Outputs, sampler: Sampler) -> None:
+    """One plain decode step: every active sequence's newest token in, one new token each out
+    (finished sequences and unused batch rows are idle: position -1)."""
+    tokens = torch.zeros(runner.batch_size, dtype=torch.int64)
+    positions = torch.full((runner.batch_size,), -1, dtype=torch.int64)
+    active = [i for i in range(outs.n) if outs.active(i)]
+    for i in active:
+        tokens[i], positions[i] = outs.out[i][-1], outs.position(i)
+    nxt = sampler(runner.decode(tokens, positions)[active])
+    for i, tok in zip(active, nxt.tolist(), strict=True):
+        outs.push(i, tok)
 
 
 def generate(
-    session,
+    runner,
     tokenizer,
     prompts: list[str],
     max_new_tokens: int = 64,
@@ -187,25 +188,26 @@ def generate(
     prompt_ids: list[list[int]] | None = None,
     speculator=None,
 ) -> GenerationResult:
-    """Generate for up to ``session.batch_size`` prompts at once. ``on_text`` streams the
+    """Generate for up to ``runner.batch_size`` prompts at once (``runner``:
+    ``nxdc.runtime.runner.Runner``). ``on_text`` streams the
     first sequence's new text as it is produced; ``speculator``
     (``nxdc.generation.speculative.Speculator``) drafts several tokens per target call."""
     if max_new_tokens < 1:
         raise UserInputError(f"--max-new-tokens must be >= 1 (got {max_new_tokens})")
-    if len(prompts) > session.batch_size:
+    if len(prompts) > runner.batch_size:
         raise UserInputError(
-            f"{len(prompts)} prompts but this export's batch size is {session.batch_size}: "
+            f"{len(prompts)} prompts but this export's batch size is {runner.batch_size}: "
             f"re-export with --batch-size {len(prompts)} or pass fewer prompts"
         )
     sampler = Sampler(sampling or SamplingParams())
-    eos = set(eos_ids if eos_ids is not None else session.spec.eos_token_ids)
+    eos = set(eos_ids if eos_ids is not None else runner.spec.eos_token_ids)
     if tokenizer.eos_token_id is not None and eos_ids is None:
         eos.add(int(tokenizer.eos_token_id))
     ids = prompt_ids if prompt_ids is not None else encode_prompts(tokenizer, prompts, chat)
-    outs = Outputs(tokenizer, ids, max_new_tokens, session.max_seq, eos, list(stop or []), on_text)
+    outs = Outputs(tokenizer, ids, max_new_tokens, runner.max_seq, eos, list(stop or []), on_text)
     res = GenerationResult()
     t0 = time.perf_counter()
-    logits = session.prefill(ids)
+    logits = runner.prefill(ids)
     if speculator is not None:
         speculator.start(ids)
     for i, tok in enumerate(sampler(logits[: outs.n]).tolist()):
@@ -216,9 +218,9 @@ def generate(
     outs.flush()
     while not outs.done:
         if speculator is not None:
-            speculator.step(session, outs, sampler)
+            speculator.step(runner, outs, sampler)
         else:
-            decode_step(session, outs, sampler)
+            decode_step(runner, outs, sampler)
         res.token_s.append(time.perf_counter() - t0)
         res.decode_steps += 1
         outs.flush()

@@ -83,29 +83,29 @@ class DraftModel:
 
     mode = "draft"
 
-    def __init__(self, session, target):
+    def __init__(self, runner, target):
         for what, a, b in (
-            ("vocabulary size", session.spec.vocab_size, target.spec.vocab_size),
-            ("batch size", session.batch_size, target.batch_size),
+            ("vocabulary size", runner.spec.vocab_size, target.spec.vocab_size),
+            ("batch size", runner.batch_size, target.batch_size),
         ):
             if a != b:
                 raise UserInputError(f"the draft export's {what} is {a}, the target's is {b}")
-        if session.max_seq < target.max_seq:
+        if runner.max_seq < target.max_seq:
             raise UserInputError(
-                f"the draft export's sequence length ({session.max_seq}) is shorter than the "
+                f"the draft export's sequence length ({runner.max_seq}) is shorter than the "
                 f"target's ({target.max_seq}): re-export the draft with --sequence-length {target.max_seq}"
             )
-        if session.plan.tp != 1:
+        if runner.plan.tp != 1:
             raise UserInputError("the draft export must be --tp 1 (it runs in rank 0's process)")
-        self.session = session
+        self.runner = runner
         self.cached: list[list[int]] = []  # per sequence: the tokens whose keys/values the draft holds
 
     def start(self, prompts: list[list[int]]) -> None:
-        self.session.prefill(prompts)
+        self.runner.prefill(prompts)
         self.cached = [list(p) for p in prompts]
 
     def propose(self, contexts: dict[int, list[int]], k: int, sampler: Sampler):
-        b = self.session.batch_size
+        b = self.runner.batch_size
         pending: dict[int, list[tuple[int, int]]] = {}  # (token, position) to feed, per sequence
         for i, ctx in contexts.items():
             have = self.cached[i]
@@ -118,7 +118,7 @@ class DraftModel:
         drafts: dict[int, list[int]] = {i: [] for i in contexts}
         qs = {i: [] for i in contexts} if sampler.params.do_sample else None
         tokens = torch.zeros(b, dtype=torch.int64)
-        positions = torch.zeros(b, dtype=torch.int64)
+        positions = torch.full((b,), -1, dtype=torch.int64)  # rows not drafting are idle
         # Lockstep: a sequence with fewer tokens to catch up starts later, re-feeding its first
         # one meanwhile (same token, same slot: idempotent); then k - 1 draft tokens are fed.
         most = max(len(f) for f in pending.values())
@@ -130,7 +130,7 @@ class DraftModel:
                 else:
                     j = local - len(feed)  # feed draft j at the slot after the context
                     tokens[i], positions[i] = drafts[i][j], feed[-1][1] + 1 + j
-            logits = self.session.decode(tokens, positions)
+            logits = self.runner.decode(tokens, positions)
             for i, feed in pending.items():
                 if s - (most - len(feed)) < len(feed) - 1:
                     continue  # still catching up: these logits draft nothing
@@ -161,33 +161,33 @@ class Speculator:
     def start(self, prompts: list[list[int]]) -> None:
         self.drafter.start(prompts)
 
-    def step(self, session, outs, sampler: Sampler) -> None:
+    def step(self, runner, outs, sampler: Sampler) -> None:
         from nxdc.generation.loop import decode_step
 
         active = [i for i in range(outs.n) if outs.active(i)]
-        big_k = session.speculation_length
+        big_k = runner.speculation_length
         before = sum(len(outs.out[i]) for i in active)
         self.stats.target_calls += 1
         self.stats.sequence_steps += len(active)
-        if any(outs.position(i) + big_k >= session.max_seq for i in active):
-            decode_step(session, outs, sampler)  # a verify call would write past the cache
+        if any(outs.position(i) + big_k >= runner.max_seq for i in active):
+            decode_step(runner, outs, sampler)  # a verify call would write past the cache
         else:
             drafts, qs = self.drafter.propose({i: outs.context(i) for i in active}, self.k, sampler)
             if not any(drafts.values()):
-                decode_step(session, outs, sampler)
+                decode_step(runner, outs, sampler)
             else:
-                self._verify(session, outs, sampler, active, drafts, qs)
+                self._verify(runner, outs, sampler, active, drafts, qs)
         self.stats.tokens += sum(len(outs.out[i]) for i in active) - before
 
-    def _verify(self, session, outs, sampler, active, drafts, qs) -> None:
-        big_k = session.speculation_length
-        tokens = torch.zeros(session.batch_size, big_k + 1, dtype=torch.int64)
-        start = torch.zeros(session.batch_size, dtype=torch.int64)
+    def _verify(self, runner, outs, sampler, active, drafts, qs) -> None:
+        big_k = runner.speculation_length
+        tokens = torch.zeros(runner.batch_size, big_k + 1, dtype=torch.int64)
+        start = torch.full((runner.batch_size,), -1, dtype=torch.int64)  # idle rows write nothing
         for i in active:
             d = drafts[i]
             tokens[i, 0], start[i] = outs.out[i][-1], outs.position(i)
             tokens[i, 1 : 1 + len(d)] = torch.tensor(d, dtype=torch.int64)
-        logits = session.verify(tokens, start)
+        logits = runner.verify(tokens, start)
         for i in active:
             d = drafts[i]
             self.stats.proposed += len(d)

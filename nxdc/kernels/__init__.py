@@ -175,7 +175,9 @@ def _linear_fake(x, w, scale=None):  # x fp32 [M, K], w [N, K] -> out fp32 [M, N
 # Shape functions for torch.export, one per op. An export made by an older nxdc carries a library
 # without the newer ops (``generate`` loads that copy), so only the ops it defines get one.
 _FAKES = {
-    "attend": lambda q, k_cache, v_cache, positions: torch.empty_like(q),  # out [B, H, R, D] like q
+    "attend": lambda q, k_cache, v_cache, positions, rows=None: torch.empty_like(
+        q
+    ),  # out [B, H, R, D] like q
     "linear_f32": _linear_fake,
     "linear_f16": _linear_fake,
     "linear_bf16": _linear_fake,

@@ -1,7 +1,10 @@
 // Prefill / decode / verify attention over the static KV cache, fp32 queries and accumulation:
 //
-//   nxdc::attend(q [B, H, R, D], k_cache [B, H, S, D], v_cache [B, H, S, D], positions [B, T])
-//     -> out [B, H, R, D]
+//   nxdc::attend(q [B, H, R, D], k_cache [N, H, S, D], v_cache [N, H, S, D], positions [B, T],
+//                rows [B] = None) -> out [B, H, R, D]
+//
+// Sequence b of q reads the cache's batch row rows[b] (None: row b, and N == B): a serving graph
+// works on a few of the cache's rows, chosen at run time, without copying them.
 //
 // The caches are float32, float16 or bfloat16 (`nxdc export --kv-cache`); 16-bit keys and values
 // are converted to fp32 in registers as they are read (half the bytes of a memory-bound read).
@@ -313,8 +316,8 @@ NXDC_AVX512VL void head_pairs(const float* q, const T* k, const T* v, float* out
 constexpr int64_t ROWS = 32;
 
 template <typename T>
-void run(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const int64_t* pos, int64_t tokens,
-         at::Tensor& out) {
+void run(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const int64_t* pos, const int64_t* cache_rows,
+         int64_t tokens, at::Tensor& out) {
   const int64_t B = q.size(0), H = q.size(1), R = q.size(2), D = q.size(3), S = kc.size(2);
   const float* qp = q.data_ptr<float>();
   const T* kp = kc.data_ptr<T>();
@@ -335,6 +338,8 @@ void run(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const 
     return Unit{u / blocks, r0, std::min(ROWS, R - r0)};
   };
   const auto last_slot = [&](const Unit& x, int64_t r) { return pos[x.bh / H * tokens + (x.r0 + r) % tokens]; };
+  // where (sequence, KV head) bh's slots start in the caches
+  const auto cache_at = [&](int64_t bh) { return ((cache_rows ? cache_rows[bh / H] : bh / H) * H + bh % H) * S * D; };
   at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> scores;
     std::vector<int64_t> last(static_cast<size_t>(ROWS));
@@ -346,10 +351,10 @@ void run(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const 
         if (u + threads < units) {
           const Unit next = unit(u + threads);
           for (int64_t r = 0; r < next.rows; ++r) nx.slots = std::max(nx.slots, last_slot(next, r) + 1);
-          nx.k = kp + next.bh * S * D;
-          nx.v = vp + next.bh * S * D;
+          nx.k = kp + cache_at(next.bh);
+          nx.v = vp + cache_at(next.bh);
         }
-        (pairs ? head_pairs<T> : head<T>)(qp + (cur.bh * R + cur.r0) * D, kp + cur.bh * S * D, vp + cur.bh * S * D,
+        (pairs ? head_pairs<T> : head<T>)(qp + (cur.bh * R + cur.r0) * D, kp + cache_at(cur.bh), vp + cache_at(cur.bh),
                                           op + (cur.bh * R + cur.r0) * D, last.data(), cur.rows, D, scale, scores,
                                           nx);
       }
@@ -359,9 +364,9 @@ void run(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const 
 }  // namespace
 
 at::Tensor attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                  const at::Tensor& positions) {
+                  const at::Tensor& positions, const c10::optional<at::Tensor>& rows) {
   TORCH_CHECK(q.dim() == 4 && k_cache.dim() == 4 && v_cache.dim() == 4 && positions.dim() == 2,
-              "attend: expected q [B, H, R, D], caches [B, H, S, D], positions [B, T]; got ", q.sizes(), ", ",
+              "attend: expected q [B, H, R, D], caches [N, H, S, D], positions [B, T]; got ", q.sizes(), ", ",
               k_cache.sizes(), ", ", positions.sizes());
   const auto kt = k_cache.scalar_type();
   TORCH_CHECK(q.scalar_type() == at::kFloat, "attend: q must be float32, got ", q.scalar_type());
@@ -370,8 +375,8 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
   TORCH_CHECK(positions.scalar_type() == at::kLong, "attend: positions must be int64");
   TORCH_CHECK(q.size(3) % 8 == 0 && q.size(3) > 0, "attend: head_dim must be a multiple of 8, got ", q.size(3));
   const int64_t B = q.size(0), H = q.size(1), R = q.size(2), D = q.size(3), S = k_cache.size(2);
-  const int64_t T = positions.size(1);
-  TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.size(0) == B && k_cache.size(1) == H &&
+  const int64_t N = k_cache.size(0), T = positions.size(1);
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && (rows.has_value() || N == B) && k_cache.size(1) == H &&
                   k_cache.size(3) == D,
               "attend: cache shape ", k_cache.sizes(), " does not match q ", q.sizes());
   TORCH_CHECK(positions.size(0) == B && T > 0 && R % T == 0, "attend: positions ", positions.sizes(),
@@ -383,15 +388,25 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
   const int64_t* pos = pc.data_ptr<int64_t>();
   for (int64_t i = 0; i < B * T; ++i)
     TORCH_CHECK(pos[i] >= 0 && pos[i] < S, "attend: position ", pos[i], " outside the cache (", S, " slots)");
+  at::Tensor rc;
+  const int64_t* rp = nullptr;
+  if (rows.has_value()) {
+    TORCH_CHECK(rows->scalar_type() == at::kLong && rows->dim() == 1 && rows->size(0) == B,
+                "attend: rows must be int64 [", B, "], got ", rows->sizes());
+    rc = rows->contiguous();
+    rp = rc.data_ptr<int64_t>();
+    for (int64_t b = 0; b < B; ++b)
+      TORCH_CHECK(rp[b] >= 0 && rp[b] < N, "attend: row ", rp[b], " outside the cache (", N, " rows)");
+  }
   auto out = at::empty_like(qc);
   if (kt == at::kFloat)
-    run<float>(qc, kc, vc, pos, T, out);
+    run<float>(qc, kc, vc, pos, rp, T, out);
   else if (kt == at::kHalf)
-    run<c10::Half>(qc, kc, vc, pos, T, out);
+    run<c10::Half>(qc, kc, vc, pos, rp, T, out);
   else
-    run<c10::BFloat16>(qc, kc, vc, pos, T, out);
+    run<c10::BFloat16>(qc, kc, vc, pos, rp, T, out);
   return out;
 }
 
-TORCH_LIBRARY_FRAGMENT(nxdc, m) { m.def("attend(Tensor q, Tensor k_cache, Tensor v_cache, Tensor positions) -> Tensor"); }
+TORCH_LIBRARY_FRAGMENT(nxdc, m) { m.def("attend(Tensor q, Tensor k_cache, Tensor v_cache, Tensor positions, Tensor? rows=None) -> Tensor"); }
 TORCH_LIBRARY_IMPL(nxdc, CPU, m) { m.impl("attend", &attend); }

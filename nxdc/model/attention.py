@@ -3,7 +3,9 @@
 Layout: ``k_cache``/``v_cache`` are ``[batch, kv_heads, max_seq, head_dim]`` buffers (this
 rank's KV heads under tensor parallelism). New
 keys/values are written with ``index_copy_`` into a flattened row view (row-only writes,
-never a whole-cache copy), at per-sequence positions. Queries are regrouped as
+never a whole-cache copy), at per-sequence positions. Serving graphs name the cache's batch
+rows they work on (``rows``), and a token that is not ``keep`` (an idle batch row, a prefill
+chunk's padding) writes back the bytes its slot already holds: the cache is left as it was. Queries are regrouped as
 ``[batch, kv_heads, group * T, head_dim]`` so every KV head serves its query group without
 expanding the cache (no ``repeat_interleave``).
 """
@@ -52,11 +54,24 @@ class Attention(nn.Module):
         self.register_buffer("k_cache", torch.zeros(shape, dtype=kv_dtype, device=device), persistent=True)
         self.register_buffer("v_cache", torch.zeros(shape, dtype=kv_dtype, device=device), persistent=True)
 
-    def _write(self, cache: torch.Tensor, new: torch.Tensor, positions: torch.Tensor) -> None:
+    def _write(
+        self,
+        cache: torch.Tensor,
+        new: torch.Tensor,
+        positions: torch.Tensor,
+        rows: torch.Tensor | None,
+        keep: torch.Tensor | None,
+    ) -> None:
         bsz, n_kv, t, d = new.shape
-        rows = torch.arange(bsz * n_kv, device=new.device).view(bsz, n_kv, 1) * self.max_seq
-        idx = (rows + positions.view(bsz, 1, t)).reshape(-1)
-        cache.view(-1, d).index_copy_(0, idx, new.reshape(-1, d).to(cache.dtype))
+        seq = rows if rows is not None else torch.arange(bsz, device=new.device)
+        heads = seq.view(bsz, 1, 1) * n_kv + torch.arange(n_kv, device=new.device).view(1, n_kv, 1)
+        idx = (heads * self.max_seq + positions.view(bsz, 1, t)).reshape(-1)
+        flat = cache.view(-1, d)
+        src = new.reshape(-1, d).to(cache.dtype)
+        if keep is not None:
+            written = keep.view(bsz, 1, t, 1).expand(bsz, n_kv, t, 1).reshape(-1, 1)
+            src = torch.where(written, src, flat.index_select(0, idx))
+        flat.index_copy_(0, idx, src)
 
     def forward(
         self,
@@ -66,6 +81,8 @@ class Attention(nn.Module):
         positions: torch.Tensor,  # [B, T] cache slot of each new token
         mask: torch.Tensor,  # bool [B or 1, 1, T, S_attended]
         kv_len: int | None,  # None: attend to the new tokens only (fresh prefill)
+        rows: torch.Tensor | None = None,  # [B] the cache's batch row of each sequence (None: b)
+        keep: torch.Tensor | None = None,  # bool [B, T]: tokens whose keys / values are written
     ) -> torch.Tensor:
         bsz, t, _ = x.shape
         d, n_kv = self.head_dim, self.n_kv
@@ -78,17 +95,20 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
-        self._write(self.k_cache, k, positions)
-        self._write(self.v_cache, v, positions)
+        self._write(self.k_cache, k, positions, rows, keep)
+        self._write(self.v_cache, v, positions, rows, keep)
         # [B, Hq, T, D] -> [B, Hkv, G*T, D]: query heads kv*G .. kv*G+G-1 share KV head kv.
         qg = q.reshape(bsz, n_kv, group * t, d)
         if self.kernels and q.dtype == torch.float32 and d % 8 == 0:
             # each row reads only the slots up to its own position (the mask): decode, verify, and
             # a fresh prefill, whose keys / values are in the cache by now (and whose mask is causal)
-            out = torch.ops.nxdc.attend(qg, self.k_cache, self.v_cache, positions)
+            out = torch.ops.nxdc.attend(qg, self.k_cache, self.v_cache, positions, rows)
         else:
             if kv_len is None:  # the new keys / values as the cache holds them (--kv-cache rounds)
                 keys, values = k.to(self.k_cache.dtype), v.to(self.v_cache.dtype)
+            elif rows is not None:  # a copy of the rows' slots (the kernel reads them in place)
+                keys = self.k_cache[:, :, :kv_len].index_select(0, rows)
+                values = self.v_cache[:, :, :kv_len].index_select(0, rows)
             else:
                 keys, values = self.k_cache[:, :, :kv_len], self.v_cache[:, :, :kv_len]
             keys, values = keys.to(q.dtype), values.to(q.dtype)

@@ -1,4 +1,5 @@
-"""The shared decoder and its per-graph wrappers (context encoding, token generation).
+"""The shared decoder and its per-graph wrappers (context encoding, token generation,
+speculation's verify, serving's single-row prefill).
 
 Both wrappers hold the same ``Decoder`` under the same attribute name, so their exported
 graphs name every weight and KV-cache buffer identically: the runtime loads each tensor once
@@ -38,8 +39,8 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = MLP(spec, dtype, device, intermediate=layout.intermediate)
 
-    def forward(self, h, cos, sin, positions, mask, kv_len):
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, positions, mask, kv_len)
+    def forward(self, h, cos, sin, positions, mask, kv_len, rows=None, keep=None):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, positions, mask, kv_len, rows, keep)
         return h + all_reduce(self.mlp(self.post_attention_layernorm(h)), self.tp)
 
 
@@ -92,12 +93,14 @@ class Decoder(nn.Module):
         kv_len: int | None,
         last_index: torch.Tensor | None,  # [B]: which of the T positions to score (None: the last)
         every_position: bool = False,  # score all T positions: logits [B, T, vocab]
+        rows: torch.Tensor | None = None,  # [B] the KV cache's batch row of each sequence (None: b)
+        keep: torch.Tensor | None = None,  # bool [B, T]: tokens whose keys / values are written
     ) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
         cos = self.rope_cos[positions].to(h.dtype).unsqueeze(1)
         sin = self.rope_sin[positions].to(h.dtype).unsqueeze(1)
         for layer in self.layers:
-            h = layer(h, cos, sin, positions, mask, kv_len)
+            h = layer(h, cos, sin, positions, mask, kv_len, rows, keep)
         if every_position:
             pass
         elif last_index is None:
@@ -125,17 +128,23 @@ class ContextEncoding(nn.Module):
 
 class TokenGeneration(nn.Module):
     """Decode graph: one new token per sequence at its own position, attending to
-    ``kv_len`` cache slots."""
+    ``kv_len`` cache slots. A negative position marks an idle batch row: its cache is not
+    written and its logits are meaningless. With ``rows`` (serving, fewer sequences than the
+    batch) sequence i is the cache's batch row ``rows[i]``."""
 
     def __init__(self, model: Decoder, kv_len: int):
         super().__init__()
         self.model = model
         self.kv_len = kv_len
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        keep = positions.view(-1, 1) >= 0
+        positions = positions.clamp(min=0)
         slots = torch.arange(self.kv_len, device=input_ids.device)
         mask = slots.view(1, 1, 1, -1) <= positions.view(-1, 1, 1, 1)
-        return self.model(input_ids, positions.view(-1, 1), mask, self.kv_len, None)
+        return self.model(input_ids, positions.view(-1, 1), mask, self.kv_len, None, rows=rows, keep=keep)
 
 
 class Verify(nn.Module):
@@ -143,7 +152,8 @@ class Verify(nn.Module):
     ``k`` draft tokens) at consecutive positions from ``start``, attending to ``kv_len`` cache
     slots, scored at every position: logits [B, k + 1, vocab]. It writes their keys/values into
     the cache; slots past a rejected draft token are never read (the mask only reaches a
-    query's own position) and the next call overwrites them."""
+    query's own position) and the next call overwrites them. A negative ``start`` marks an
+    idle batch row, whose cache is not written."""
 
     def __init__(self, model: Decoder, kv_len: int, k: int):
         super().__init__()
@@ -151,7 +161,36 @@ class Verify(nn.Module):
         self.kv_len, self.k = kv_len, k
 
     def forward(self, input_ids: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
-        positions = start.view(-1, 1) + torch.arange(self.k + 1, device=input_ids.device).view(1, -1)
+        steps = torch.arange(self.k + 1, device=input_ids.device).view(1, -1)
+        keep = (start.view(-1, 1) >= 0).expand(-1, self.k + 1)
+        positions = torch.where(keep, start.view(-1, 1) + steps, steps)
         slots = torch.arange(self.kv_len, device=input_ids.device)
         mask = (slots.view(1, 1, -1) <= positions.unsqueeze(-1)).unsqueeze(1)  # [B, 1, k+1, S]
-        return self.model(input_ids, positions, mask, self.kv_len, None, every_position=True)
+        return self.model(input_ids, positions, mask, self.kv_len, None, every_position=True, keep=keep)
+
+
+class RowPrefill(nn.Module):
+    """Serving's prefill graph: up to ``length`` prompt tokens of one sequence, written into
+    batch row ``rows[0]`` of the KV cache from position ``start`` (``start > 0``: a later chunk
+    of a long prompt, or a prompt whose first ``start`` tokens the row already holds), attending
+    to that row's earlier slots too; the logits of token ``last_index``. Every other row's
+    cache, and the row's slots outside the real tokens, keep their bytes: padding past
+    ``last_index`` writes nothing (a pad whose position would fall past the cache is put
+    ``length`` slots earlier, below ``start``, where no real token of the call writes)."""
+
+    def __init__(self, model: Decoder, length: int):
+        super().__init__()
+        self.model = model
+        self.length = length
+
+    def forward(
+        self, input_ids: torch.Tensor, rows: torch.Tensor, start: torch.Tensor, last_index: torch.Tensor
+    ) -> torch.Tensor:
+        n, s = self.length, self.model.max_seq
+        steps = torch.arange(n, device=input_ids.device).view(1, n)
+        keep = steps <= last_index.view(1, 1)
+        positions = start.view(1, 1) + steps
+        positions = torch.where(positions < s, positions, positions - n)
+        slots = torch.arange(s, device=input_ids.device)
+        mask = (slots.view(1, 1, -1) <= positions.unsqueeze(-1)).unsqueeze(1)  # [1, 1, n, S]
+        return self.model(input_ids, positions, mask, s, last_index, rows=rows, keep=keep)

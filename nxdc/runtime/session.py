@@ -16,9 +16,8 @@ from safetensors.torch import load_file
 
 from nxdc.cache.keys import sha256_file
 from nxdc.compile.backends import get_backend
-from nxdc.compile.buckets import Bucket, pick_context_bucket, pick_decode_bucket
 from nxdc.compile.trace import TORCH_DTYPES
-from nxdc.errors import ExportDirError, UserInputError
+from nxdc.errors import ExportDirError
 from nxdc.manifest import load_manifest
 from nxdc.model.layers import rope_tables
 from nxdc.model.parallel import shard_layout
@@ -61,9 +60,10 @@ class CompiledGraph:
 
 
 class Session:
-    """One rank's view of an export (the whole model at tp 1). Under tensor parallelism every
-    rank holds a Session and calls the same graphs in the same order (``nxdc.runtime.workers``
-    keeps them in step); ``announce``, when set, is told each call before it runs."""
+    """One rank's loaded export (the whole model at tp 1): its weights and KV cache, once, and
+    every bucket graph sharing them. What callers use is a ``Runner`` (``runner.py``), which
+    owns a Session, picks the graph for each request and, under tensor parallelism, keeps the
+    ranks' Sessions in step (``workers.py``)."""
 
     def __init__(
         self,
@@ -79,7 +79,6 @@ class Session:
         self.plan = ExportPlan.from_dict(self.manifest["plan"])
         self.rank = rank
         self.layout = shard_layout(self.spec, self.plan.tp)
-        self.announce = None
         self.threads = apply_threads(threads)
         self.device = self.plan.device
         backend = get_backend(self.plan.backend, self.device)
@@ -159,44 +158,7 @@ class Session:
     def max_seq(self) -> int:
         return self.plan.sequence_length
 
-    def context_bucket(self, n_tokens: int) -> Bucket:
-        return pick_context_bucket(self.plan.context, n_tokens)
-
-    def prefill(self, prompts: list[list[int]], pad_id: int = 0) -> torch.Tensor:
-        """Fresh prompts (each at positions 0..len-1) -> logits [batch, vocab] at each last token."""
-        if not prompts or len(prompts) > self.batch_size:
-            raise UserInputError(f"got {len(prompts)} prompts; this export takes 1 to {self.batch_size}")
-        if any(len(p) == 0 for p in prompts):
-            raise UserInputError("a prompt encodes to zero tokens")
-        bucket = self.context_bucket(max(len(p) for p in prompts))
-        ids = torch.full((self.batch_size, bucket.length), pad_id, dtype=torch.int64)
-        last = torch.zeros(self.batch_size, dtype=torch.int64)
-        for i, p in enumerate(prompts):
-            ids[i, : len(p)] = torch.tensor(p, dtype=torch.int64)
-            last[i] = len(p) - 1
-        return self.call(bucket.name, ids, last)
-
-    def decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """One token per sequence at its own cache position -> logits [batch, vocab]."""
-        bucket = pick_decode_bucket(self.plan.decode, int(positions.max()))
-        return self.call(bucket.name, tokens.view(-1, 1), positions)
-
     @property
     def speculation_length(self) -> int:
         """K of the export's verify graphs (0: the export cannot verify draft tokens)."""
         return self.plan.speculation_length
-
-    def verify(self, tokens: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
-        """``tokens`` [batch, K+1] at positions start..start+K -> logits [batch, K+1, vocab]."""
-        k = self.speculation_length
-        bucket = pick_decode_bucket(self.plan.verify, int(start.max()) + k)
-        return self.call(bucket.name, tokens, start)
-
-    def call(self, name: str, *inputs: torch.Tensor) -> torch.Tensor:
-        if self.announce is not None:
-            self.graphs[name].check(inputs)
-            self.announce(name, inputs)
-        return self.graphs[name](*inputs)
-
-    def close(self) -> None:
-        pass

@@ -1,12 +1,12 @@
 """Tensor-parallel runtime: one process per rank, all running the same compiled graphs.
 
-``open_session`` returns a plain ``Session`` at tp 1. At tp > 1 it starts ranks 1..tp-1 as
+``open_runner`` returns a plain ``Runner`` at tp 1. At tp > 1 it starts ranks 1..tp-1 as
 worker processes (``python -m nxdc.runtime.workers``), joins them in a ``torch.distributed``
-group (gloo on CPU, NCCL on CUDA) as rank 0, and returns rank 0's session, whose every graph
-call is first announced to the workers (a small broadcast of the graph index and its int64
-inputs); the collectives inside the graphs do the rest. Rank 0 samples and prints; workers
-only compute. Under ``torchrun`` (several machines) the launcher starts the ranks instead and
-the same protocol runs (``external_rank``).
+group (gloo on CPU, NCCL on CUDA) as rank 0, and returns rank 0's ``GroupRunner``, which
+announces every graph call to the workers (a small broadcast of the graph index and its int64
+inputs) before running it; the collectives inside the graphs do the rest. Rank 0 samples and
+prints; workers only compute. Under ``torchrun`` (several machines) the launcher starts the
+ranks instead and the same protocol runs (``external_rank``).
 
 The announcements travel over their own gloo group (``_control_group``), never over the group
 the graphs' collectives use: AOTInductor runs a graph without releasing the GIL, and a gloo
@@ -37,6 +37,7 @@ import torch
 
 from nxdc.errors import NxdcError
 from nxdc.manifest import load_manifest
+from nxdc.runtime.runner import Runner
 from nxdc.runtime.session import Session
 from nxdc.runtime.threads import default_threads
 
@@ -71,19 +72,19 @@ def _rank_device(device: str, rank: int) -> str | None:
     return None
 
 
-def open_session(export_dir: str | Path, threads: int | None = None, verify: bool = True) -> Session:
+def open_runner(export_dir: str | Path, threads: int | None = None, verify: bool = True) -> Runner:
     manifest = load_manifest(export_dir)
     tp = int(manifest["plan"]["tp"])
     if tp == 1:
-        return Session(export_dir, threads=threads, verify=verify, manifest=manifest)
+        return Runner(Session(export_dir, threads=threads, verify=verify, manifest=manifest))
     if threads is None:
         threads = max(1, default_threads() // tp)
     if external_rank() is not None:
         return _join_external(export_dir, manifest, tp, threads, verify)
-    return TPGroup(export_dir, manifest, tp, threads, verify).session
+    return TPGroup(export_dir, manifest, tp, threads, verify).runner
 
 
-def _join_external(export_dir, manifest, tp: int, threads: int, verify: bool) -> Session:
+def _join_external(export_dir, manifest, tp: int, threads: int, verify: bool) -> GroupRunner:
     import torch.distributed as dist
 
     world = int(os.environ["WORLD_SIZE"])
@@ -92,49 +93,62 @@ def _join_external(export_dir, manifest, tp: int, threads: int, verify: bool) ->
     dist.init_process_group(_dist_backend(manifest["plan"]["device"]), timeout=TIMEOUT)
     ctl = _control_group()
     sess = Session(export_dir, threads=threads, verify=verify, rank=0, manifest=manifest)
-    _attach(sess, manifest, ctl, on_error=lambda e: NxdcError(f"tensor-parallel collective failed: {e}"))
-    return sess
+    return GroupRunner(sess, ctl, on_error=lambda e: NxdcError(f"tensor-parallel collective failed: {e}"))
 
 
-def _attach(sess: Session, manifest: dict, ctl, on_error) -> dict:
-    """Make ``sess`` (rank 0) announce each graph call to the other ranks."""
-    import torch.distributed as dist
+class GroupRunner(Runner):
+    """Rank 0 of a tensor-parallel group: every graph call is announced to the other ranks
+    (over ``ctl``, see the module doc) before it runs here; ``group`` (the workers this process
+    started, if any) is stopped on close."""
 
-    names = list(manifest["artifacts"])
-    state = {"broken": False}
-    graph_call = sess.call
+    def __init__(self, session: Session, ctl, on_error, group: TPGroup | None = None):
+        super().__init__(session)
+        self._names = list(self.manifest["artifacts"])
+        self._ctl, self._on_error, self._group = ctl, on_error, group
+        self.broken = False  # ranks may be out of step: no polite STOP, workers get killed
 
-    def call(name: str, *inputs):
+    def call(self, name: str, *inputs: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        graph = self.session.graphs[name]
+        graph.check(inputs)
         try:
-            return graph_call(name, *inputs)
+            dist.broadcast(
+                torch.tensor([CALL, self._names.index(name)], dtype=torch.int64), 0, group=self._ctl
+            )
+            dist.broadcast(torch.cat([t.reshape(-1).to(torch.int64) for t in inputs]), 0, group=self._ctl)
+        except RuntimeError as e:
+            self.broken = True
+            raise self._on_error(e) from e
+        try:
+            return graph(*inputs)
         except RuntimeError as e:  # a collective inside the graph failed: a rank is gone
-            state["broken"] = True
+            self.broken = True
             if "KeyboardInterrupt" in str(e):  # Ctrl-C seen inside the graph's custom-op call
                 raise KeyboardInterrupt from e
-            raise on_error(e) from e
-        except BaseException:  # ranks may now be out of step: no polite STOP, workers get killed
-            state["broken"] = True
+            raise self._on_error(e) from e
+        except BaseException:
+            self.broken = True
             raise
 
-    def announce(name: str, inputs) -> None:
+    def close(self) -> None:
+        import torch.distributed as dist
+
         try:
-            dist.broadcast(torch.tensor([CALL, names.index(name)], dtype=torch.int64), 0, group=ctl)
-            dist.broadcast(torch.cat([t.reshape(-1).to(torch.int64) for t in inputs]), 0, group=ctl)
-        except RuntimeError as e:
-            raise on_error(e) from e
-
-    def close() -> None:
-        if dist.is_initialized() and not state["broken"]:
-            dist.broadcast(torch.tensor([STOP, 0], dtype=torch.int64), 0, group=ctl)
-
-    sess.call = call
-    sess.announce = announce
-    sess.close = close
-    return state
+            if self.broken and self._group is not None:  # out of step: they would never see a STOP
+                self._group.kill()
+            elif dist.is_initialized() and not self.broken:
+                dist.broadcast(torch.tensor([STOP, 0], dtype=torch.int64), 0, group=self._ctl)
+        except Exception:
+            if self._group is not None:
+                self._group.kill()
+        finally:
+            if self._group is not None:
+                self._group.close()
 
 
 class TPGroup:
-    """Ranks 1..tp-1 as child processes of this one (rank 0)."""
+    """Ranks 1..tp-1 as child processes of this one (rank 0), and rank 0's ``runner``."""
 
     def __init__(self, export_dir, manifest: dict, tp: int, threads: int, verify: bool):
         import torch.distributed as dist
@@ -162,24 +176,11 @@ class TPGroup:
                 timeout=TIMEOUT,
             )
             ctl = _control_group()
-            self.session = Session(export_dir, threads=threads, verify=verify, rank=0, manifest=manifest)
+            session = Session(export_dir, threads=threads, verify=verify, rank=0, manifest=manifest)
         except BaseException:
             self.close()
             raise
-        state = _attach(self.session, manifest, ctl, on_error=self._error)
-        group_close = self.session.close
-
-        def close() -> None:
-            try:
-                if state["broken"]:  # out of step: they would never see a STOP
-                    self._kill()
-                group_close()
-            except Exception:
-                self._kill()
-            finally:
-                self.close()
-
-        self.session.close = close
+        self.runner = GroupRunner(session, ctl, on_error=self._error, group=self)
 
     def _error(self, e: Exception) -> Exception:
         deadline = time.monotonic() + 1.0  # a peer's socket closes just before its exit is seen
@@ -202,7 +203,7 @@ class TPGroup:
     def _watch(self) -> None:
         while not self.closing:
             if self._check():
-                self._kill()
+                self.kill()
                 time.sleep(GRACE_S)  # the main thread normally raises first
                 if not self.closing:
                     sys.stderr.write(f"error: {self.dead}\n")
@@ -211,13 +212,13 @@ class TPGroup:
                 return
             time.sleep(0.1)
 
-    def _kill(self) -> None:
+    def kill(self) -> None:
         for p in self.procs:
             if p.poll() is None:
                 p.kill()
 
     def close(self) -> None:
-        """Stop every worker (politely first: they were told STOP by the session's close)."""
+        """Stop every worker (politely first: they were told STOP by the runner's close)."""
         if self.closing:
             return
         self.closing = True
@@ -240,7 +241,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve(export_dir: str | Path, threads: int, verify: bool = True) -> None:
+def follow(export_dir: str | Path, threads: int, verify: bool = True) -> None:
     """A non-zero rank: load this rank's share, then run every graph call rank 0 announces."""
     import torch.distributed as dist
 
@@ -295,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if parent == 1:  # parent already gone
             return 1
-        serve(a.export_dir, a.threads, not a.no_verify)
+        follow(a.export_dir, a.threads, not a.no_verify)
     except NxdcError as e:
         sys.stderr.write(f"error: rank {os.environ.get('RANK')}: {e}\n")
         return 1
