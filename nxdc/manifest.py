@@ -6,8 +6,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-import torch
-
 import nxdc
 from nxdc.errors import ExportDirError
 
@@ -16,6 +14,21 @@ FORMAT = 1
 
 
 def load_manifest(export_dir: str | Path) -> dict[str, Any]:
+    """The manifest of an export this process can run (written for this torch version)."""
+    import torch
+
+    d = Path(export_dir)
+    m = read_manifest(d)
+    if m.get("torch_version") != torch.__version__:
+        raise ExportDirError(
+            f"{d} was compiled with torch {m.get('torch_version')} but this is torch {torch.__version__}: "
+            f"compiled graphs only load in the torch they were built with; re-run nxdc export"
+        )
+    return m
+
+
+def read_manifest(export_dir: str | Path) -> dict[str, Any]:
+    """The manifest, checked for its format only (no torch import: ``nxdc serve``'s HTTP side)."""
     d = Path(export_dir)
     if not d.is_dir():
         raise ExportDirError(f"export directory {d} does not exist")
@@ -32,10 +45,5 @@ def load_manifest(export_dir: str | Path) -> dict[str, Any]:
         raise ExportDirError(
             f"{d} was written in export format {m.get('format')} by nxdc {m.get('nxdc_version')}; "
             f"this nxdc {nxdc.__version__} reads format {FORMAT}: re-run nxdc export"
-        )
-    if m.get("torch_version") != torch.__version__:
-        raise ExportDirError(
-            f"{d} was compiled with torch {m.get('torch_version')} but this is torch {torch.__version__}: "
-            f"compiled graphs only load in the torch they were built with; re-run nxdc export"
         )
     return m

@@ -1,0 +1,130 @@
+"""`nxdc serve EXPORT`: an OpenAI-compatible HTTP server with continuous batching."""
+
+from __future__ import annotations
+
+import signal
+import socket
+from pathlib import Path
+
+import typer
+
+from nxdc.cli.common import cli_errors
+from nxdc.errors import UserInputError
+
+
+@cli_errors
+def serve(
+    export_dir: Path = typer.Argument(..., help="Export directory with serving graphs (--chunk-buckets)."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to bind (0.0.0.0: every interface)."),
+    port: int = typer.Option(8000, "--port"),
+    api_key: str = typer.Option(
+        None,
+        "--api-key",
+        envvar="NXDC_API_KEY",
+        help="Require 'Authorization: Bearer KEY' (not /health, /metrics).",
+    ),
+    api_key_file: Path = typer.Option(None, "--api-key-file", help="Read the API key from this file."),
+    served_model_name: str = typer.Option(
+        None,
+        "--served-model-name",
+        help="The model id clients name. \\[default: the export directory's name]",
+    ),
+    max_queue: int = typer.Option(64, "--max-queue", help="Running + queued requests before answering 429."),
+    queue_timeout: float = typer.Option(
+        None, "--queue-timeout", help="Seconds a request may wait for a batch row (then 503)."
+    ),
+    request_timeout: float = typer.Option(
+        None, "--request-timeout", help="Seconds a request may take in all."
+    ),
+    prefill_chunk: int = typer.Option(
+        None,
+        "--prefill-chunk",
+        help="Most prompt tokens per engine step (lower: steadier streams beside long prompts). \\[default: the export's largest chunk]",
+    ),
+    threads: int = typer.Option(
+        None, "--threads", help="CPU threads of the engine. \\[default: cores available]"
+    ),
+    quiet: bool = typer.Option(False, "-q", "--quiet", help="No start-up line."),
+    verbose: bool = typer.Option(False, "-v", "--verbose", help="Tracebacks on errors."),
+) -> None:
+    """Serve an export over HTTP (OpenAI API: /v1/completions, /v1/chat/completions), batching requests
+    as they arrive into the export's batch rows."""
+    import uvicorn
+
+    from nxdc.serve.app import ServeConfig, Server
+
+    if api_key and api_key_file:
+        raise UserInputError("give --api-key or --api-key-file, not both")
+    if api_key_file is not None:
+        try:
+            api_key = api_key_file.read_text().strip()
+        except OSError as e:
+            raise UserInputError(f"--api-key-file {api_key_file}: {e.strerror}") from None
+        if not api_key:
+            raise UserInputError(f"--api-key-file {api_key_file} is empty")
+    for name, value in (("max-queue", max_queue), ("threads", threads), ("prefill-chunk", prefill_chunk)):
+        if value is not None and value < 1:
+            raise UserInputError(f"--{name} must be a positive integer (got {value})")
+    for name, value in (("queue-timeout", queue_timeout), ("request-timeout", request_timeout)):
+        if value is not None and value <= 0:
+            raise UserInputError(f"--{name} must be a positive number of seconds (got {value})")
+    if not 0 <= port < 65536:
+        raise UserInputError(f"--port must be 0..65535 (got {port}; 0: any free port)")
+    sock = _listen(host, port)
+    port = sock.getsockname()[1]
+    cfg = ServeConfig(
+        export_dir=export_dir,
+        host=host,
+        port=port,
+        name=served_model_name,
+        api_key=api_key,
+        max_queue=max_queue,
+        queue_timeout=queue_timeout,
+        request_timeout=request_timeout,
+        prefill_chunk=prefill_chunk,
+        threads=threads,
+        quiet=quiet,
+    )
+    server = Server(cfg)  # checks the export
+    uv = _uvicorn_server(
+        uvicorn.Config(server.app, log_level="warning", access_log=False, lifespan="on"),
+        on_drain=lambda: setattr(server, "state", "draining"),
+    )
+    server.on_fatal = lambda msg: setattr(uv, "should_exit", True)
+    uv.run(sockets=[sock])
+    if server.fatal is not None:
+        from nxdc.errors import NxdcError
+
+        err = NxdcError(server.fatal.message)
+        err.exit_code = server.fatal.exit_code
+        raise err
+    if not uv.started:
+        raise typer.Exit(1)
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """Bind here, so that a taken port is a one-line error and --port 0 picks a free one."""
+    try:
+        info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(info[0], socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(info[4])
+    except OSError as e:
+        raise UserInputError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
+def _uvicorn_server(config, on_drain):
+    """uvicorn's Server with nxdc's shutdown: SIGTERM (or Ctrl-C) stops accepting connections,
+    marks the server draining (a new request on an open connection gets 503), lets every running
+    request finish, then exits (0 after SIGTERM)."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            on_drain()
+            super().handle_exit(sig, frame)
+            if sig == signal.SIGTERM and sig in self._captured_signals:
+                self._captured_signals.remove(sig)  # a drained SIGTERM is a clean exit
+
+    return Server(config)
