@@ -10,6 +10,8 @@ import pytest
 import torch
 from tiny import tiny_tokenizer
 
+from nxdc.compile.buckets import Bucket
+from nxdc.runtime.runner import Runner
 from nxdc.serve.engine import Engine
 from nxdc.serve.protocol import Done, Failed, Started, Submit, Token
 from nxdc.serve.text import TextTokenizer
@@ -24,8 +26,12 @@ class FakeRunner:
     and a cache slot the engine forgot to fill, or filled with the wrong token, changes it.
     Records every call."""
 
-    def __init__(self, batch=4, max_seq=64, chunk=8, eos_bias=0.0):
-        self.batch_size, self.max_seq, self.max_chunk = batch, max_seq, chunk
+    next_chunk = Runner.next_chunk  # the real chunking policy
+
+    def __init__(self, batch=4, max_seq=64, chunk=8, eos_bias=0.0, chunks=None):
+        self.batch_size, self.max_seq = batch, max_seq
+        self.max_chunk = max(chunks or (chunk,))
+        self.plan = SimpleNamespace(chunks=[Bucket("chunk", n) for n in (chunks or (chunk,))])
         self.spec = SimpleNamespace(eos_token_ids=(EOS,))
         self.cache = [[None] * max_seq for _ in range(batch)]
         self.calls: list[tuple] = []
@@ -141,6 +147,25 @@ def test_one_prefill_chunk_per_step_while_rows_decode(tok):
         ev = engine.step()
         assert [c[0] for c in runner.calls] == ["prefill", "decode"]
         assert runner.calls[0][2] == 8 and ev.prefill_tokens == 8 and ev.decode_rows >= 1
+
+
+@pytest.mark.parametrize(
+    "length, limit, pieces",
+    [
+        (39, 32, [32, 7]),
+        (12, 32, [8, 4]),
+        (40, 32, [32, 8]),
+        (30, 32, [30]),
+        (20, 8, [8, 8, 4]),
+        (5, 32, [5]),
+    ],
+)
+def test_prompts_are_cut_into_chunks_that_fill_their_graphs(tok, length, limit, pieces):
+    runner = FakeRunner(batch=2, chunks=(8, 32))
+    engine = Engine(runner, tok, prefill_chunk=limit)
+    evs = run(engine, {0: [Submit("p", tuple(prompt(9, length)), max_tokens=3)]})
+    assert [c[2] for c in runner.calls if c[0] == "prefill"] == pieces
+    assert text(evs["p"]) == tok.decode([t for t in runner.alone(prompt(9, length), 3) if t != EOS])
 
 
 def test_seeded_sampling_does_not_depend_on_the_batch(tok):

@@ -56,6 +56,20 @@ class Runner:
         graphs and cannot serve)."""
         return max((b.length for b in self.plan.chunks), default=0)
 
+    def next_chunk(self, remaining: int, limit: int) -> int:
+        """How many of ``remaining`` prompt tokens the next ``prefill_row`` call should take, at
+        most ``limit``. A chunk graph costs about its length however few of its positions are
+        real, so a piece that would leave most of the smallest graph that holds it empty (> 1/3)
+        gives way to the largest graph it fills exactly: 39 tokens with graphs of 32 and 128 go
+        as 32 + 7 (64 positions computed), not as 39 in the 128-token graph."""
+        lengths = sorted(b.length for b in self.plan.chunks)
+        n = min(remaining, limit, lengths[-1])
+        holds = min(b for b in lengths if b >= n)
+        filled = [b for b in lengths if b <= n]
+        if filled and holds > 1.5 * n:
+            return filled[-1]
+        return n
+
     # --- graph calls ----------------------------------------------------------------------------
     def call(self, name: str, *inputs: torch.Tensor) -> torch.Tensor:
         return self.session.graphs[name](*inputs)
