@@ -54,8 +54,7 @@ def main() -> None:
 
     from nxdc.bench.machine import read_bandwidth_gbs
     from nxdc.manifest import load_manifest
-    from nxdc.plan import ExportPlan, weight_bytes
-    from nxdc.spec import ModelSpec
+    from nxdc.plan import weight_bytes
 
     exports = args.exports or [export_dir(w, "fp32", 1) for w in ("fp32", "fp16", "bf16", "int8")]
     missing = [str(d) for d in exports if not (d / "nxdc.json").is_file()]
@@ -77,7 +76,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|")
     for d in exports:
         m = load_manifest(d)
-        spec, plan = ModelSpec.from_dict(m["spec"]), ExportPlan.from_dict(m["plan"])
+        spec, plan = m.spec, m.plan
         nbytes = weight_bytes(spec, plan)
         macs = spec.param_count(active=True) - (
             0 if spec.tie_word_embeddings else spec.vocab_size * spec.hidden_size

@@ -35,8 +35,9 @@ from nxdc.compile.trace import (
 )
 from nxdc.errors import UnsupportedError, UserInputError
 from nxdc.kernels import LIBRARY, kernel_digest, loaded_library
+from nxdc.kernels import status as kernel_status
 from nxdc.kernels.quant import quantize_int8
-from nxdc.manifest import FORMAT, MANIFEST
+from nxdc.manifest import MANIFEST, Artifact, FileRef, Manifest
 from nxdc.model.fused import combine, fused_target, part_shape
 from nxdc.model.parallel import shard_layout
 from nxdc.plan import ExportOptions, ExportPlan, make_plan, planned_spec
@@ -88,9 +89,7 @@ def prepare(
     return src, cfg, spec, plan
 
 
-def write_weights(
-    src: ModelSource, spec: ModelSpec, plan: ExportPlan, rank: int, path: Path
-) -> dict[str, Any]:
+def write_weights(src: ModelSource, spec: ModelSpec, plan: ExportPlan, rank: int, path: Path) -> FileRef:
     """Map, shard, cast and check every tensor for one rank; write its safetensors file in the
     runtime dtype. Holds one rank's share plus one source tensor at a time."""
     arch = get_arch(spec.arch)
@@ -141,17 +140,17 @@ def write_weights(
     if missing:
         raise UserInputError(f"{src.name}: weights missing from the checkpoint: {', '.join(missing[:5])}")
     save_file(tensors, os.fspath(path), metadata={"format": "pt"})
-    return {"path": path.name, "bytes": path.stat().st_size, "sha256": sha256_file(path)}
+    return FileRef(path=path.name, bytes=path.stat().st_size, sha256=sha256_file(path))
 
 
-def copy_kernel_library(export_dir: Path) -> dict[str, Any]:
+def copy_kernel_library(export_dir: Path) -> FileRef:
     """A copy of the loaded kernel library in the export (generate loads it, not whatever build
     the installed nxdc has: the graphs call exactly the kernels they were compiled against)."""
     _, lib = loaded_library()
     dest = export_dir / "kernels" / LIBRARY
     dest.parent.mkdir()
     shutil.copy2(lib, dest)
-    return {"path": f"kernels/{LIBRARY}", "sha256": sha256_file(dest), "bytes": dest.stat().st_size}
+    return FileRef(path=f"kernels/{LIBRARY}", sha256=sha256_file(dest), bytes=dest.stat().st_size)
 
 
 def stored_tensors(name: str, w: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -253,8 +252,12 @@ def run_export(
                 path = tmp / "weights" / f"rank{rank}.safetensors"
                 weights[f"rank{rank}"] = write_weights(src, spec, plan, rank, path)
         with rep.stage("kernels"):
-            kernels = kernel_digest() if wants_kernels(plan) else None
+            t_k = time.perf_counter()
+            kernels = kernel_digest() if wants_kernels(plan, cache) else None
             kernel_library = copy_kernel_library(tmp) if kernels else None
+            if kernels:
+                hit, why = bool(kernel_status.get("hit")), str(kernel_status.get("reason"))
+                rep.bucket_done("kernels", hit, why, time.perf_counter() - t_k)
         decoder = None
 
         def factory():
@@ -271,36 +274,33 @@ def run_export(
                 br = compile_bucket(cache, backend, spec, plan, bucket, kernels, factory, dest)
                 rep.bucket_done(br.name, br.hit, br.reason, br.seconds)
                 result.buckets.append(br)
-                artifacts[bucket.name] = {
-                    "path": f"artifacts/{dest.name}",
-                    "key": br.key,
-                    "sha256": sha256_file(dest),
-                    "bytes": dest.stat().st_size,
-                    "inputs": input_specs(bucket, plan.batch_size, plan.speculation_length),
-                }
+                artifacts[bucket.name] = Artifact(
+                    path=f"artifacts/{dest.name}",
+                    key=br.key,
+                    sha256=sha256_file(dest),
+                    bytes=dest.stat().st_size,
+                    inputs=tuple(input_specs(bucket, plan.batch_size, plan.speculation_length)),
+                )
         with rep.stage("write"):
             (tmp / "config.json").write_text(json.dumps(cfg, indent=2, default=str))
             src.save_tokenizer(tmp)
             if src.kind == "hf" and (src.path / "generation_config.json").is_file():
                 shutil.copy2(src.path / "generation_config.json", tmp / "generation_config.json")
-            manifest = {
-                "format": FORMAT,
-                "nxdc_version": nxdc.__version__,
-                "torch_version": torch.__version__,
-                "source": src.name,
-                "spec": spec.to_dict(),
-                "plan": plan.to_dict(),
-                "weights": weights,
-                "kernels": kernels,
-                **({"kernel_library": kernel_library} if kernel_library else {}),
-                "artifacts": artifacts,
-                # decode / verify graphs take a negative position for an idle batch row and write
-                # nothing there (exports without this key fed idle rows token 0 at slot 0)
-                "idle_rows": True,
-                "created": time.time(),
-            }
+            manifest = Manifest(
+                nxdc_version=nxdc.__version__,
+                torch_version=torch.__version__,
+                source=src.name,
+                spec=spec,
+                plan=plan,
+                weights=weights,
+                artifacts=artifacts,
+                kernels=kernels,
+                kernel_library=kernel_library,
+                idle_rows=True,
+                created=time.time(),
+            )
             # The manifest is written last: a directory without it is never taken as an export.
-            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+            manifest.write(tmp)
             _publish(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

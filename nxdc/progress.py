@@ -51,7 +51,11 @@ class RichReporter(Reporter):
             self._status.update(f"[bold]compile[/] {name}: cache lookup / compiling (AOTInductor)…")
 
     def bucket_done(self, name: str, hit: bool, reason: str, seconds: float) -> None:
-        tag = "[green]cache hit[/]" if hit else f"[yellow]cache miss[/] [dim]({reason})[/] → compiled"
+        tag = (
+            "[green]cache hit[/]"
+            if hit
+            else f"[yellow]cache miss[/] [dim]({reason.removesuffix(' → built')})[/] → compiled"
+        )
         if hit and reason != "hit":  # e.g. "pulled from remote URL"
             tag += f" [dim]({reason})[/]"
         self.console.print(f"  {name:<16} {tag} [dim]{seconds:.1f}s[/]")

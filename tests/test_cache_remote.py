@@ -627,6 +627,25 @@ def artifact_keys(export_dir: Path) -> dict[str, str]:
     return {n: a["key"] for n, a in json.loads((export_dir / "nxdc.json").read_text())["artifacts"].items()}
 
 
+def kernel_key(cache_dir: Path) -> str:
+    """The key of this nxdc's kernel library entry, put into ``cache_dir`` (from the library
+    this process runs) if it is not there yet: the graphs of these exports call it."""
+    import shutil
+
+    from nxdc.kernels import LIBRARY, ensure_loaded, kernel_entry, loaded_library
+
+    assert ensure_loaded()
+    ns, key, parts = kernel_entry()
+    cache = CompileCache(cache_dir)
+    if cache.get(ns, key, parts).path is None:
+        src = cache_dir.parent / f".kernels-{uuid.uuid4().hex}"
+        src.mkdir()
+        shutil.copy2(loaded_library()[1], src / LIBRARY)
+        cache.put(ns, key, parts, src)
+        src.rmdir()
+    return key
+
+
 @pytest.fixture
 def no_compile(monkeypatch):
     from nxdc.compile.backends.inductor import InductorBackend
@@ -685,7 +704,7 @@ def test_pull_plan_then_export_offline(tiny_gqa, tiny_gqa_export, cache_dir, tmp
     """`nxdc cache pull MODEL [options]` fetches exactly the graphs that export needs; the
     export then runs with no remote at all."""
     remote = _make_remote("file", request, tmp_path)
-    keys = artifact_keys(tiny_gqa_export)
+    keys = {**artifact_keys(tiny_gqa_export), "kernels": kernel_key(cache_dir)}
     cli(
         "cache",
         "push",
@@ -707,6 +726,65 @@ def test_pull_plan_then_export_offline(tiny_gqa, tiny_gqa_export, cache_dir, tmp
         cli("export", tiny_gqa, "-o", tmp_path / "out", *gqa_flags(), "--cache-dir", b, "--json").stdout
     )
     assert summary["compiled"] == 0 and {x["reason"] for x in summary["buckets"]} == {"hit"}
+
+
+@pytest.mark.slow
+def test_machine_b_without_a_compiler_pulls_the_kernels(
+    tiny_gqa, tiny_gqa_export, cache_dir, tmp_path, request
+):
+    """Machine A pushes its graphs and kernel library; machine B (a fresh process, an empty cache,
+    and a C/C++ compiler that always fails) exports the same plan building nothing, and its
+    export generates A's greedy tokens. Without the kernels on the remote, --require-cache on B is
+    a one-line error instead of a build."""
+    import subprocess
+    import sys
+
+    remote = _make_remote("file", request, tmp_path)
+    keys = {**artifact_keys(tiny_gqa_export), "kernels": kernel_key(cache_dir)}
+    graphs_only = [f for n, k in keys.items() if n != "kernels" for f in ("--key", k)]
+    cli("cache", "push", *graphs_only, "--remote", remote.url, "--cache-dir", cache_dir, "-q")
+    broken = tmp_path / "no-compiler"
+    broken.write_text("#!/bin/sh\necho 'no compiler on machine B' >&2\nexit 1\n")
+    broken.chmod(0o755)
+    env = {**os.environ, "CC": str(broken), "CXX": str(broken), "NXDC_CACHE_DIR": str(tmp_path / "b")}
+    nxdc = [sys.executable, "-m", "nxdc.cli.main"]
+
+    def export_on_b(out: Path, *flags: str):
+        cmd = [*nxdc, "export", str(tiny_gqa), "-o", str(out), *map(str, gqa_flags()), "--remote", remote.url]
+        return subprocess.run([*cmd, *flags], env=env, capture_output=True, text=True, timeout=600)
+
+    refused = export_on_b(tmp_path / "refused", "--require-cache")
+    assert refused.returncode == 1, refused.stderr
+    assert "nxdc's CPU kernels are neither in the local cache nor on the remote" in refused.stderr
+    assert "Traceback" not in refused.stderr and not (tmp_path / "refused").exists()
+
+    cli("cache", "push", "--key", keys["kernels"], "--remote", remote.url, "--cache-dir", cache_dir, "-q")
+    lookup = cli_json("cache", "lookup", tiny_gqa, "--remote", remote.url, "--cache-dir", tmp_path / "b")
+    config = next(c for c in lookup["configs"] if set(c["buckets"]) == set(keys) - {"kernels"})
+    assert config["kernels"] == {"key": keys["kernels"], "local": "none", "remote": "complete"}
+    table = cli("cache", "lookup", tiny_gqa, "--remote", remote.url, "--cache-dir", tmp_path / "b").stdout
+    assert f"nxdc CPU kernels {keys['kernels'][:12]}: remote" in table
+    res = export_on_b(tmp_path / "out", "--json")
+    assert res.returncode == 0, res.stderr
+    summary = json.loads(res.stdout)
+    assert summary["compiled"] == 0 and {b["reason"] for b in summary["buckets"]} == {
+        f"pulled from remote {remote.url}"
+    }
+    b_kernels = CompileCache(tmp_path / "b").entry_dir(*_kernel_ns_key()) / "meta.json"
+    assert b_kernels.is_file()  # pulled and cached on B, verified
+    gen = [*nxdc, "generate", "-p", "w5 w6 w7 w8", "-n", "12", "--json"]
+    a = subprocess.run([*gen[:4], str(tiny_gqa_export), *gen[4:]], capture_output=True, text=True, env=env)
+    b = subprocess.run([*gen[:4], str(tmp_path / "out"), *gen[4:]], capture_output=True, text=True, env=env)
+    assert a.returncode == 0 and b.returncode == 0, a.stderr + b.stderr
+    ids = lambda r: json.loads(r.stdout)["results"][0]["token_ids"]  # noqa: E731
+    assert ids(a) == ids(b) and len(ids(a)) == 12
+
+
+def _kernel_ns_key() -> tuple[str, str]:
+    from nxdc.kernels import kernel_entry
+
+    ns, key, _ = kernel_entry()
+    return ns, key
 
 
 @pytest.mark.slow

@@ -222,16 +222,35 @@ def test_bad_arguments_raise():
         torch.ops.nxdc.linear_i8(x, q, s.double())
 
 
-def test_build_survives_a_stale_torch_baton():
-    """An interrupted first build leaves torch's baton file ``lock`` in the build directory, on which
-    cpp_extension.load() waits for as long as it exists: a later run must not hang on it."""
-    from nxdc.kernels import build_dir
+def test_kernels_come_from_the_compile_cache(tmp_path):
+    """The kernel library is a compile-cache entry: a fresh process whose cache holds it loads it
+    without a compiler (CXX fails), and a corrupt copy is discarded, not loaded (then built: here,
+    with no compiler, the kernels are reported unavailable)."""
+    import shutil
 
-    (build_dir() / "lock").touch()
-    script = "from nxdc.kernels import ensure_loaded; assert ensure_loaded(); print('LOADED')"
-    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0 and "LOADED" in res.stdout, res.stderr[-2000:]
-    assert not (build_dir() / "lock").exists()
+    from nxdc.cache.store import CompileCache
+    from nxdc.kernels import LIBRARY, kernel_entry, loaded_library
+
+    assert ensure_loaded()
+    ns, key, parts = kernel_entry()
+    src = tmp_path / "src"
+    src.mkdir()
+    shutil.copy2(loaded_library()[1], src / LIBRARY)
+    CompileCache(tmp_path / "cache").put(ns, key, parts, src)
+    broken = tmp_path / "cxx"
+    broken.write_text("#!/bin/sh\nexit 1\n")
+    broken.chmod(0o755)
+    env = {**os.environ, "NXDC_CACHE_DIR": str(tmp_path / "cache"), "CXX": str(broken), "CC": str(broken)}
+    script = "from nxdc.kernels import ensure_loaded, status; print(ensure_loaded(), status['reason'])"
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert res.stdout.split() == ["True", "hit"], res.stderr[-2000:]
+    lib = CompileCache(tmp_path / "cache").entry_dir(ns, key) / LIBRARY
+    with open(lib, "r+b") as f:
+        f.seek(4096)
+        f.write(b"corrupt")
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert res.stdout.startswith("False unavailable"), res.stdout + res.stderr[-2000:]
+    assert "corrupt entry discarded" in res.stdout + res.stderr or not lib.exists()
 
 
 def test_avx2_path_matches_reference():

@@ -10,27 +10,26 @@ from safetensors.torch import load_file
 
 from nxdc.compile.trace import TORCH_DTYPES
 from nxdc.errors import UserInputError
+from nxdc.manifest import Manifest
 from nxdc.model.fused import unfuse_state_dict
-from nxdc.spec import ModelSpec
 
 
-def transformers_model(export_dir: Path, manifest: dict):
+def transformers_model(export_dir: Path, manifest: Manifest):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    if manifest["plan"]["tp"] != 1:
-        raise UserInputError(
-            f"--compare transformers needs a --tp 1 export ({export_dir} is tp {manifest['plan']['tp']})"
-        )
-    if manifest["plan"].get("weights") == "int8":
+    plan = manifest.plan
+    if plan.tp != 1:
+        raise UserInputError(f"--compare transformers needs a --tp 1 export ({export_dir} is tp {plan.tp})")
+    if plan.weights == "int8":
         raise UserInputError(
             f"--compare transformers cannot rebuild an int8-weight export ({export_dir}): "
             "compare the fp32 export of the same model, or use --check-accuracy at export"
         )
-    dtype = TORCH_DTYPES[manifest["plan"]["dtype"]]
+    dtype = TORCH_DTYPES[plan.dtype]
     cfg = AutoConfig.from_pretrained(export_dir)
     model = AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
-    ours = load_file(str(Path(export_dir) / "weights" / manifest["weights"]["rank0"]["path"]))
-    ours = unfuse_state_dict(ours, ModelSpec.from_dict(manifest["spec"]))
+    ours = load_file(str(Path(export_dir) / "weights" / manifest.rank_weights(0).path))
+    ours = unfuse_state_dict(ours, manifest.spec)
     state = {(k if k == "lm_head.weight" else f"model.{k}"): v for k, v in ours.items()}
     result = model.load_state_dict(state, strict=False)
     missing = [k for k in result.missing_keys if not (k == "lm_head.weight" and cfg.tie_word_embeddings)]
@@ -41,7 +40,7 @@ def transformers_model(export_dir: Path, manifest: dict):
         )
     if cfg.tie_word_embeddings:
         model.tie_weights()
-    return model.to(manifest["plan"]["device"])  # the export's device: same hardware both sides
+    return model.to(plan.device)  # the export's device: same hardware both sides
 
 
 def transformers_generate(model, ids: list[list[int]], new_tokens: int) -> dict:

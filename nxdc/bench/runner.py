@@ -66,7 +66,7 @@ def run_bench(
     info = machine_info(threads)
     # torch.distributed allows one process group per process: exports at tp > 1 run one at a time,
     # every tp 1 export together.
-    tps = [int(load_manifest(d)["plan"]["tp"]) for d in export_dirs]
+    tps = [load_manifest(d).plan.tp for d in export_dirs]
     groups = [[i for i, tp in enumerate(tps) if tp == 1]] + [[i] for i, tp in enumerate(tps) if tp > 1]
     by_export: dict[int, list[dict]] = {}
     for group in groups:

@@ -25,40 +25,24 @@ HEX = re.compile(r"^[0-9a-f]{16,64}$")
 log = logging.getLogger("nxdc.cache")
 
 
-def _keys_in(obj: Any) -> list[str]:
-    """Every cache key named in a manifest's artifacts (one per bucket, or per rank)."""
-    out = []
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            if k == "key" and isinstance(v, str):
-                out.append(v)
-            else:
-                out += _keys_in(v)
-    elif isinstance(obj, list):
-        for v in obj:
-            out += _keys_in(v)
-    return out
-
-
-def make_record(manifest: dict[str, Any], namespace: str) -> dict[str, Any]:
+def make_record(manifest, namespace: str) -> dict[str, Any]:
+    """A registry record of a finished export (``manifest``: its ``nxdc.manifest.Manifest``)."""
     from nxdc.cache.keys import model_code_digest
-    from nxdc.spec import ModelSpec
 
-    spec = ModelSpec.from_dict(manifest["spec"])
-    plan = manifest["plan"]
-    buckets = {name: info.get("key") for name, info in manifest["artifacts"].items()}
-    keys = sorted(set(_keys_in(manifest["artifacts"])))
+    spec, plan = manifest.spec, manifest.plan.to_dict()
+    buckets = {name: a.key for name, a in manifest.artifacts.items()}
+    keys = sorted(set(buckets.values()))
     ident = {"model": spec.digest(), "plan": plan, "namespace": namespace, "keys": keys}
     return {
         "format": FORMAT,
         "id": digest(ident)[:32],
-        "model": {"digest": spec.digest(), "arch": spec.arch, "source": manifest.get("source")},
+        "model": {"digest": spec.digest(), "arch": spec.arch, "source": manifest.source},
         "plan": plan,
         "namespace": namespace,
-        "torch": manifest.get("torch_version"),
-        "nxdc": manifest.get("nxdc_version"),
+        "torch": manifest.torch_version,
+        "nxdc": manifest.nxdc_version,
         "code": model_code_digest(),
-        "kernels": manifest.get("kernels"),
+        "kernels": manifest.kernels,
         "buckets": buckets,
         "keys": keys,
         "created": time.time(),
@@ -84,7 +68,7 @@ def write_record(root: Path, record: dict[str, Any]) -> Path:
     return path
 
 
-def record_export(cache, manifest: dict[str, Any], namespace: str) -> Path | None:
+def record_export(cache, manifest, namespace: str) -> Path | None:
     """Called at the end of a successful export; a registry failure never fails the export."""
     try:
         return write_record(cache.root, make_record(manifest, namespace))

@@ -75,6 +75,7 @@ class CompileCache:
                 files[f.name] = {"sha256": sha256_file(tmp / f.name), "bytes": (tmp / f.name).stat().st_size}
             meta = {"key": key, "parts": parts, "files": files, "created": time.time()}
             (tmp / "meta.json").write_text(json.dumps(meta, indent=1, default=str))
+            os.chmod(tmp, 0o755)  # mkdtemp's 0700 would hide the entry from other users of a shared cache
             if final.exists():
                 self.discard(final)
             os.rename(tmp, final)

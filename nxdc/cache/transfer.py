@@ -360,15 +360,18 @@ def plan_entries(
     """(spec, plan, {(namespace, key): key parts}) for the graphs ``nxdc export`` would use,
     computed exactly as the export computes them; nothing is traced."""
     from nxdc.compile.backends import get_backend
-    from nxdc.compile.trace import wants_kernels
+    from nxdc.compile.trace import kernels_apply
     from nxdc.export import key_parts, namespace, prepare
-    from nxdc.kernels import kernel_digest
+    from nxdc.kernels import kernel_digest, kernel_entry
 
     _, _, spec, plan = prepare(model, opts, cache_root)
     backend = get_backend(plan.backend, plan.device)
-    kernels = kernel_digest() if wants_kernels(plan) else None
+    kernels = kernel_digest() if kernels_apply(plan) else None
     ns = namespace(backend)
     out = {}
+    if kernels:  # the kernel library the graphs call travels with them
+        k_ns, k_key, k_parts = kernel_entry()
+        out[(k_ns, k_key)] = json.loads(canonical(k_parts))
     for bucket in plan.buckets:
         parts = key_parts(spec, plan, bucket, backend, kernels)
         out[(ns, digest(parts))] = json.loads(canonical(parts))
@@ -495,7 +498,7 @@ def list_local(cache: CompileCache, now: float | None = None) -> list[dict[str, 
             {
                 "namespace": ns,
                 "key": key,
-                "bucket": parts.get("bucket"),
+                "bucket": parts.get("bucket") or parts.get("kind"),  # "kernels": the kernel library
                 "arch": (parts.get("model") or {}).get("arch"),
                 "bytes": entry_size(d),
                 "age_s": round(now - created) if isinstance(created, int | float) else None,
@@ -519,7 +522,10 @@ def list_remote(remote: Remote, now: float | None = None) -> list[dict[str, Any]
 
 
 def lookup(cache: CompileCache, model_digest: str, remote: Remote | None = None) -> dict[str, Any]:
-    """Export configurations recorded for this model, with where their graphs all are."""
+    """Export configurations recorded for this model, with where their graphs all are and, for
+    those whose graphs call nxdc's CPU kernels, where the kernel library is."""
+    from nxdc.kernels import kernel_entry
+
     records = {r["id"]: r for r in load_records(cache.root, model_digest)}
     on_remote: set[tuple[str, str]] | None = None
     remote_error = None
@@ -540,6 +546,8 @@ def lookup(cache: CompileCache, model_digest: str, remote: Remote | None = None)
             on_remote = set(remote.entries())
         except RemoteUnavailable as e:
             remote_error = str(e)
+    k_ns, k_key, _ = kernel_entry()
+    kernels_local = (cache.entry_dir(k_ns, k_key) / "meta.json").is_file()
     rows = []
     for rec in records.values():
         ns, keys = rec["namespace"], rec["keys"]
@@ -548,6 +556,18 @@ def lookup(cache: CompileCache, model_digest: str, remote: Remote | None = None)
         row["local"] = _availability(n_local, len(keys))
         row["remote"] = (
             None if on_remote is None else _availability(sum((ns, k) in on_remote for k in keys), len(keys))
+        )
+        # the kernel library its graphs call (this nxdc's: another one makes the record unusable)
+        row["kernels"] = (
+            None
+            if rec.get("kernels") is None
+            else {
+                "key": k_key,
+                "local": "complete" if kernels_local else "none",
+                "remote": None
+                if on_remote is None
+                else ("complete" if (k_ns, k_key) in on_remote else "none"),
+            }
         )
         row["unusable_reason"] = unusable_reason(rec)
         row["usable_here"] = row["unusable_reason"] is None

@@ -355,6 +355,16 @@ def lookup(
             cells.append(r["remote"] or "?")
         t.add_row(*cells, "yes" if r["usable_here"] else f"no: {r['unusable_reason']}")
     out_console.print(t)
+    kernels = next((r["kernels"] for r in res["configs"] if r["kernels"]), None)
+    if kernels is not None:  # one library for every configuration whose graphs call it
+        out_console.print(_kernels(kernels))
+
+
+def _kernels(k: dict) -> str:
+    """Where the CPU kernel library the fp32 graphs call is."""
+    where = [w for w in ("local", "remote") if k[w] == "complete"]
+    state = " and ".join(where) if where else "in neither cache: an export builds it"
+    return f"nxdc CPU kernels {k['key'][:12]}: {state}"
 
 
 def _formats(r: dict) -> str:

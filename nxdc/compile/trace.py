@@ -40,11 +40,19 @@ def build_decoder(spec: ModelSpec, plan: ExportPlan, kernels: bool = False) -> D
     return model
 
 
-def wants_kernels(plan: ExportPlan) -> bool:
-    """nxdc's CPU decode kernels apply to fp32 on CPU, where they can be built."""
+def kernels_apply(plan: ExportPlan) -> bool:
+    """nxdc's CPU kernels are for fp32 on CPU, on CPUs with AVX2/FMA, unless disabled."""
+    from nxdc.kernels import cpu_supported, disabled
+
+    return plan.device == "cpu" and plan.dtype == "fp32" and cpu_supported() and not disabled()
+
+
+def wants_kernels(plan: ExportPlan, cache=None) -> bool:
+    """Whether the plan's graphs call nxdc's CPU kernels: they apply and could be loaded (from
+    ``cache``, its remote, or a build)."""
     from nxdc.kernels import ensure_loaded
 
-    return plan.device == "cpu" and plan.dtype == "fp32" and ensure_loaded()
+    return kernels_apply(plan) and ensure_loaded(cache)
 
 
 def graph_for(model: Decoder, bucket: Bucket, speculation: int = 0) -> torch.nn.Module:

@@ -17,16 +17,18 @@ All are registered with TORCH_LIBRARY, so torch.export captures them and AOTIndu
 them from compiled graphs; the process that runs such a graph must have loaded the library
 first (``ensure_loaded``). AVX-512 and AVX2/FMA paths are chosen at run time.
 
-The library is compiled from ``SOURCES`` with the system C++ compiler into
-``<cache>/kernels/<hash>/`` (hash of the sources, torch version and flags), under a file lock.
+The library is a compile-cache entry like a graph (``kernel_entry``: namespace
+``kernels-cpu-<torch>-<isa>``, key over the sources, torch version, flags, ISA): found locally,
+pulled (sha256-verified) from the cache remote, or compiled from ``SOURCES`` with the system C++
+compiler under the entry's lock and cached; ``nxdc cache push`` shares it with the graphs.
 Where it cannot be built or the CPU lacks AVX2/FMA, ``ensure_loaded()`` is False and the
 model uses PyTorch's ops instead. An export keeps a copy of the library it was compiled against
 and ``generate`` loads that copy (``load_export_library``), not this nxdc's build."""
 
 from __future__ import annotations
 
-import functools
 import hashlib
+import json
 import logging
 import os
 from pathlib import Path
@@ -57,16 +59,11 @@ def kernel_digest() -> str:
     return h.hexdigest()[:16]
 
 
-def build_dir() -> Path:
-    from nxdc.cache.store import default_root
-
-    return default_root() / "kernels" / kernel_digest()
-
-
 # The kernel library this process has loaded (one per process: every build registers the same
 # op names): its digest and file. Set by ensure_loaded() or load_export_library().
 _loaded: dict[str, str] = {}
 LIBRARY = "nxdc_kernels.so"
+BUILD_INFO = "build.json"  # beside the library in its cache entry: compiler, flags, when
 
 
 def loaded_library() -> tuple[str, Path] | None:
@@ -74,64 +71,149 @@ def loaded_library() -> tuple[str, Path] | None:
     return (_loaded["digest"], Path(_loaded["path"])) if _loaded else None
 
 
-@functools.cache
-def ensure_loaded() -> bool:
-    """Build (once per machine) and load the kernel library; False where unavailable."""
-    if os.environ.get("NXDC_DISABLE_KERNELS", "") not in ("", "0") or not cpu_supported():
+def disabled() -> bool:
+    return os.environ.get("NXDC_DISABLE_KERNELS", "") not in ("", "0")
+
+
+def kernel_entry() -> tuple[str, str, dict]:
+    """(namespace, key, key parts) of this nxdc's kernel library in the compile cache. The key
+    is what decides the library's code and where it runs: the sources (and torch version and
+    flags, in the digest), the CPU's ISA and architecture. The compiler that built it is recorded
+    in the entry (``build.json``) but is not part of the key: a machine that pulls the library must
+    find it without a compiler of its own."""
+    import platform
+
+    from nxdc.cache.keys import digest
+    from nxdc.compile.backends.inductor import cpu_isa
+
+    parts = {
+        "kind": "kernels",
+        "sources": kernel_digest(),
+        "flags": CFLAGS,
+        "torch": torch.__version__,
+        "isa": cpu_isa(),
+        "machine": platform.machine(),
+    }
+    ns = f"kernels-cpu-{torch.__version__}-{cpu_isa()}".replace("/", "_").replace(" ", "")
+    return ns, digest(parts), parts
+
+
+# How this process got its kernel library: "hit", "pulled from remote URL", or the miss reason
+# and "built" (for the export's progress line); None until ensure_loaded() ran.
+status: dict[str, object] = {}
+
+
+def ensure_loaded(cache=None) -> bool:
+    """Load this nxdc's kernel library from the compile cache (``cache``; default: the local
+    one), which pulls it from the cache remote when it has one, else build it with the system
+    C++ compiler and cache it; False where unavailable (disabled, no AVX2/FMA, no compiler).
+    With ``--require-cache`` a library that would have to be built is an error."""
+    if "ok" in status:
+        return bool(status["ok"])
+    if disabled() or not cpu_supported():
+        status.update(ok=False, reason="disabled" if disabled() else "CPU lacks AVX2/FMA")
         return False
     if _loaded:  # an export's own copy, loaded by load_export_library
-        if _loaded["digest"] == kernel_digest():
-            return True
-        log.warning(
-            "this process runs an export's nxdc kernels %s, not this nxdc's %s: using PyTorch's ops",
-            _loaded["digest"],
-            kernel_digest(),
-        )
-        return False
-    try:
-        from filelock import FileLock
-        from torch.utils.cpp_extension import load
-
-        d = build_dir()
-        d.mkdir(parents=True, exist_ok=True)
-        with FileLock(str(d / ".build.lock")):
-            # torch's own build baton: a file `lock` that load() waits on for as long as it exists. A
-            # build interrupted by Ctrl-C leaves it behind, and every later run would hang; under
-            # .build.lock (held by any nxdc that builds here, released when it dies) it is stale.
-            (d / "lock").unlink(missing_ok=True)
-            so = load(
-                name="nxdc_kernels",
-                sources=[str(s) for s in SOURCES],
-                extra_cflags=CFLAGS,
-                extra_ldflags=["-fopenmp"],
-                is_python_module=False,
-                build_directory=str(d),
-                verbose=False,
+        same = _loaded["digest"] == kernel_digest()
+        if not same:
+            log.warning(
+                "this process runs an export's nxdc kernels %s, not this nxdc's %s: using PyTorch's ops",
+                _loaded["digest"],
+                kernel_digest(),
             )
-        so = so if isinstance(so, str) else str(d / LIBRARY)
-        _load(so, kernel_digest())
-        return True
+        status.update(ok=same, hit=True, reason="loaded from an export")
+        return same
+    from nxdc.cache.store import CompileCache
+    from nxdc.errors import CacheError
+
+    try:
+        path, hit, reason = _cached_library(cache or CompileCache())
+        _load(str(path), kernel_digest(), already=not hit)
+        status.update(ok=True, hit=hit, reason=reason)
+    except CacheError:
+        raise
     except Exception as e:  # no compiler, no headers, ...: fall back to PyTorch kernels
-        log.warning("nxdc CPU kernels unavailable, using PyTorch's (%s)", e)
-        return False
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        log.warning("nxdc CPU kernels unavailable, using PyTorch's (%s)", first)
+        status.update(ok=False, hit=False, reason=f"unavailable: {first}")
+    return bool(status["ok"])
 
 
-def load_export_library(export_dir: Path, digest: str, entry: dict | None, verify: bool = True) -> None:
+def _cached_library(cache) -> tuple[Path, bool, str]:
+    """(library path, found in a cache, why): a cache hit or pull, else a build that is cached
+    (and already loaded into this process by the build: torch's loader dlopens what it builds)."""
+    import shutil
+    import tempfile
+
+    from nxdc.errors import CacheError
+
+    ns, key, parts = kernel_entry()
+    found = cache.get(ns, key, parts)
+    if found.path is not None:
+        return found.path / LIBRARY, True, found.reason
+    if getattr(cache, "require", False):
+        raise CacheError(
+            "nxdc's CPU kernels are neither in the local cache nor on the remote, and --require-cache "
+            "forbids building them: push them from a machine that built them (nxdc cache push)"
+        )
+    with cache.lock(ns, key):
+        again = cache.get(ns, key, parts)  # another process may have built it meanwhile
+        if again.path is not None:
+            return again.path / LIBRARY, True, "hit (built concurrently)"
+        with tempfile.TemporaryDirectory(prefix=".kernels-build-", dir=cache.compile_dir) as tmp:
+            so = _build(Path(tmp) / "build")
+            entry = Path(tmp) / "entry"
+            entry.mkdir()
+            shutil.copy2(so, entry / LIBRARY)
+            info = {"compiler": _compiler(), "cflags": CFLAGS}
+            (entry / BUILD_INFO).write_text(json.dumps(info, indent=1))
+            d = cache.put(ns, key, parts, entry)
+    return d / LIBRARY, False, f"{found.reason} → built"
+
+
+def _build(d: Path) -> Path:
+    """Compile the sources into a fresh directory (a build interrupted by Ctrl-C leaves nothing
+    a later one waits on: torch's own build baton lived in the shared build directory)."""
+    from torch.utils.cpp_extension import load
+
+    d.mkdir(parents=True)
+    so = load(
+        name="nxdc_kernels",
+        sources=[str(s) for s in SOURCES],
+        extra_cflags=CFLAGS,
+        extra_ldflags=["-fopenmp"],
+        is_python_module=False,
+        build_directory=str(d),
+        verbose=False,
+    )
+    return Path(so if isinstance(so, str) else d / LIBRARY)
+
+
+def _compiler() -> str:
+    import subprocess
+
+    cxx = os.environ.get("CXX", "c++")
+    try:
+        out = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
+        return out.strip().splitlines()[0] if out.strip() else cxx
+    except (OSError, subprocess.SubprocessError):
+        return cxx
+
+
+def load_export_library(export_dir: Path, digest: str, entry, verify: bool = True) -> None:
     """Load the kernel library an export's graphs were compiled against: the copy in the export
-    (``entry``: path and sha256 in nxdc.json), so an export runs with exactly its own kernels
+    (``entry``: the manifest's ``FileRef`` to it, path and sha256), so an export runs with exactly its own kernels
     whatever nxdc version is installed, and a machine that only generates needs no compiler.
     Exports written before the copy existed load this nxdc's build if the digest matches."""
     from nxdc.cache.keys import sha256_file
     from nxdc.errors import ExportDirError
 
     if entry is not None:
-        path = Path(export_dir) / entry["path"]
+        path = Path(export_dir) / entry.path
         if not path.is_file():
-            raise ExportDirError(
-                f"{export_dir}: kernel library {entry['path']} is missing: re-run nxdc export"
-            )
-        if verify and sha256_file(path) != entry["sha256"]:
-            raise ExportDirError(f"{export_dir}: kernel library {entry['path']} is corrupt (sha256 mismatch)")
+            raise ExportDirError(f"{export_dir}: kernel library {entry.path} is missing: re-run nxdc export")
+        if verify and sha256_file(path) != entry.sha256:
+            raise ExportDirError(f"{export_dir}: kernel library {entry.path} is corrupt (sha256 mismatch)")
     if _loaded.get("digest") == digest:
         return
     if not cpu_supported():
@@ -159,11 +241,14 @@ def load_export_library(export_dir: Path, digest: str, entry: dict | None, verif
     try:
         _load(str(path), digest)
     except (OSError, RuntimeError) as e:
-        raise ExportDirError(f"{export_dir}: kernel library {entry['path']} does not load here ({e})") from e
+        raise ExportDirError(f"{export_dir}: kernel library {entry.path} does not load here ({e})") from e
 
 
-def _load(path: str, digest: str) -> None:
-    torch.ops.load_library(path)
+def _load(path: str, digest: str, already: bool = False) -> None:
+    """Load the library at ``path`` (``already``: a byte-identical copy of it was loaded by the
+    build; the ops register once per process)."""
+    if not already:
+        torch.ops.load_library(path)
     _register_fake()
     _loaded.update(digest=digest, path=path)
 

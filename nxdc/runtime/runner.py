@@ -25,7 +25,7 @@ class Runner:
         self.session = session
         self.spec, self.plan, self.manifest = session.spec, session.plan, session.manifest
         # exports from before idle rows fed them token 0 at slot 0 (harmless for `generate`)
-        self.idle_rows = bool(self.manifest.get("idle_rows"))
+        self.idle_rows = self.manifest.idle_rows
 
     @classmethod
     def load(cls, export_dir, threads: int | None = None, verify: bool = True) -> Runner:

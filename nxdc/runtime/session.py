@@ -18,13 +18,11 @@ from nxdc.cache.keys import sha256_file
 from nxdc.compile.backends import get_backend
 from nxdc.compile.trace import TORCH_DTYPES
 from nxdc.errors import ExportDirError
-from nxdc.manifest import load_manifest
+from nxdc.manifest import Manifest, load_manifest
 from nxdc.model.layers import rope_tables
 from nxdc.model.parallel import shard_layout
-from nxdc.plan import ExportPlan
 from nxdc.runtime.arena import HostArena
 from nxdc.runtime.threads import apply_threads
-from nxdc.spec import ModelSpec
 from nxdc.weights.shard import tied_lm_head
 
 PREFIX = "model."  # graph wrappers hold the decoder as `.model`
@@ -71,49 +69,44 @@ class Session:
         threads: int | None = None,
         verify: bool = True,
         rank: int = 0,
-        manifest: dict | None = None,
+        manifest: Manifest | None = None,
     ):
         self.dir = Path(export_dir)
         self.manifest = manifest or load_manifest(self.dir)
-        self.spec = ModelSpec.from_dict(self.manifest["spec"])
-        self.plan = ExportPlan.from_dict(self.manifest["plan"])
+        self.spec, self.plan = self.manifest.spec, self.manifest.plan
         self.rank = rank
         self.layout = shard_layout(self.spec, self.plan.tp)
         self.threads = apply_threads(threads)
         self.device = self.plan.device
         backend = get_backend(self.plan.backend, self.device)
-        if self.manifest.get("kernels"):  # graphs call nxdc::linear_* / attend: load the library
+        if self.manifest.kernels:  # graphs call nxdc::linear_* / attend: load the library
             from nxdc.kernels import load_export_library
 
-            load_export_library(
-                self.dir, self.manifest["kernels"], self.manifest.get("kernel_library"), verify
-            )
+            load_export_library(self.dir, self.manifest.kernels, self.manifest.kernel_library, verify)
         self.constants = self._constants()
         self.graphs: dict[str, CompiledGraph] = {}
-        for name, art in self.manifest["artifacts"].items():
-            path = self.dir / art["path"]
+        for name, art in self.manifest.artifacts.items():
+            path = self.dir / art.path
             if not path.is_file():
                 raise ExportDirError(
-                    f"{self.dir}: compiled artifact {art['path']} is missing: re-run nxdc export"
+                    f"{self.dir}: compiled artifact {art.path} is missing: re-run nxdc export"
                 )
-            if verify and sha256_file(path) != art["sha256"]:
-                raise ExportDirError(
-                    f"{self.dir}: compiled artifact {art['path']} is corrupt (sha256 mismatch)"
-                )
+            if verify and sha256_file(path) != art.sha256:
+                raise ExportDirError(f"{self.dir}: compiled artifact {art.path} is corrupt (sha256 mismatch)")
             try:
                 loaded = backend.load(path)
             except RuntimeError as e:  # e.g. a graph calling a kernel op this nxdc no longer has
                 first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
                 raise ExportDirError(
-                    f"{self.dir}: compiled artifact {art['path']} cannot be loaded by this nxdc "
+                    f"{self.dir}: compiled artifact {art.path} cannot be loaded by this nxdc "
                     f"({first}): re-run nxdc export"
                 ) from e
-            self.graphs[name] = CompiledGraph(name, loaded, self.constants, art["inputs"], self.device)
+            self.graphs[name] = CompiledGraph(name, loaded, self.constants, art.inputs, self.device)
 
     def _constants(self) -> dict[str, torch.Tensor]:
-        info = self.manifest["weights"].get(f"rank{self.rank}")
-        path = self.dir / "weights" / (info or {}).get("path", f"rank{self.rank}.safetensors")
-        if info is None or not path.is_file() or path.stat().st_size != info["bytes"]:
+        info = self.manifest.rank_weights(self.rank)
+        path = self.dir / "weights" / (info.path if info else f"rank{self.rank}.safetensors")
+        if info is None or not path.is_file() or path.stat().st_size != info.bytes:
             raise ExportDirError(
                 f"{self.dir}: weights file {path.name} is missing or truncated: re-run nxdc export"
             )

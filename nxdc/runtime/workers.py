@@ -74,7 +74,7 @@ def _rank_device(device: str, rank: int) -> str | None:
 
 def open_runner(export_dir: str | Path, threads: int | None = None, verify: bool = True) -> Runner:
     manifest = load_manifest(export_dir)
-    tp = int(manifest["plan"]["tp"])
+    tp = manifest.plan.tp
     if tp == 1:
         return Runner(Session(export_dir, threads=threads, verify=verify, manifest=manifest))
     if threads is None:
@@ -90,7 +90,7 @@ def _join_external(export_dir, manifest, tp: int, threads: int, verify: bool) ->
     world = int(os.environ["WORLD_SIZE"])
     if world != tp:
         raise NxdcError(f"{export_dir} was exported for --tp {tp} but the launcher started {world} ranks")
-    dist.init_process_group(_dist_backend(manifest["plan"]["device"]), timeout=TIMEOUT)
+    dist.init_process_group(_dist_backend(manifest.plan.device), timeout=TIMEOUT)
     ctl = _control_group()
     sess = Session(export_dir, threads=threads, verify=verify, rank=0, manifest=manifest)
     return GroupRunner(sess, ctl, on_error=lambda e: NxdcError(f"tensor-parallel collective failed: {e}"))
@@ -103,7 +103,7 @@ class GroupRunner(Runner):
 
     def __init__(self, session: Session, ctl, on_error, group: TPGroup | None = None):
         super().__init__(session)
-        self._names = list(self.manifest["artifacts"])
+        self._names = list(self.manifest.artifacts)
         self._ctl, self._on_error, self._group = ctl, on_error, group
         self.broken = False  # ranks may be out of step: no polite STOP, workers get killed
 
@@ -169,7 +169,7 @@ class TPGroup:
         threading.Thread(target=self._watch, name="nxdc-tp-watch", daemon=True).start()
         try:
             dist.init_process_group(
-                _dist_backend(manifest["plan"]["device"]),
+                _dist_backend(manifest.plan.device),
                 init_method=f"tcp://127.0.0.1:{port}",
                 rank=0,
                 world_size=tp,
@@ -247,19 +247,19 @@ def follow(export_dir: str | Path, threads: int, verify: bool = True) -> None:
 
     rank = int(os.environ["RANK"])
     manifest = load_manifest(export_dir)
-    device = manifest["plan"]["device"]
+    device = manifest.plan.device
     if not dist.is_initialized():
         dist.init_process_group(_dist_backend(device), timeout=TIMEOUT)
     ctl = _control_group()
     sess = Session(export_dir, threads=threads, verify=verify, rank=rank, manifest=manifest)
-    names = list(manifest["artifacts"])
+    names = list(manifest.artifacts)
     header = torch.zeros(2, dtype=torch.int64)
     while True:
         dist.broadcast(header, 0, group=ctl)
         op, idx = header.tolist()
         if op == STOP:
             break
-        shapes = [tuple(s) for _, s in manifest["artifacts"][names[idx]]["inputs"]]
+        shapes = manifest.artifacts[names[idx]].shapes
         buf = torch.empty(sum(math.prod(s) for s in shapes), dtype=torch.int64)
         dist.broadcast(buf, 0, group=ctl)
         inputs, at = [], 0

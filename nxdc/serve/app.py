@@ -20,7 +20,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from nxdc.errors import UserInputError
-from nxdc.manifest import read_manifest
+from nxdc.manifest import Manifest, read_manifest
 from nxdc.serve import api
 from nxdc.serve.api import ApiError
 from nxdc.serve.engine_process import EngineClient
@@ -56,17 +56,16 @@ class Pending:
     done: bool = False
 
 
-def check_export(export_dir: Path) -> dict:
+def check_export(export_dir: Path) -> Manifest:
     """The manifest, if this export can be served (read without torch; the engine process checks
     the rest as it loads)."""
     m = read_manifest(export_dir)
-    plan = m["plan"]
-    if not any(b["kind"] == "chunk" for b in plan["buckets"]):
+    if not m.plan.chunks:
         raise UserInputError(
             f"{export_dir} has no single-row prefill graphs, which nxdc serve needs: re-export it with "
             "--chunk-buckets (e.g. --chunk-buckets 32,128,512, or --config configs/smollm2-135m-serve.toml)"
         )
-    if not m.get("idle_rows"):
+    if not m.idle_rows:
         raise UserInputError(f"{export_dir} was exported by an nxdc without serving support: re-export it")
     return m
 
@@ -74,8 +73,8 @@ def check_export(export_dir: Path) -> dict:
 class Server:
     def __init__(self, cfg: ServeConfig):
         self.cfg = cfg
-        plan = check_export(cfg.export_dir)["plan"]
-        self.max_seq, self.batch_size = plan["sequence_length"], plan["batch_size"]
+        plan = check_export(cfg.export_dir).plan
+        self.max_seq, self.batch_size = plan.sequence_length, plan.batch_size
         self.name = cfg.name or cfg.export_dir.resolve().name
         self.tok = TextTokenizer(cfg.export_dir)
         self.metrics = Metrics(self.batch_size)
