@@ -53,8 +53,8 @@ def main() -> None:
     from weights import export_dir  # bench/weights.py: its exports
 
     from nxdc.bench.machine import read_bandwidth_gbs
+    from nxdc.compile.trace import weight_bytes
     from nxdc.manifest import load_manifest
-    from nxdc.plan import weight_bytes
 
     exports = args.exports or [export_dir(w, "fp32", 1) for w in ("fp32", "fp16", "bf16", "int8")]
     missing = [str(d) for d in exports if not (d / "nxdc.json").is_file()]

@@ -17,6 +17,13 @@ from pathlib import Path
 
 import torch
 
+from nxdc.compile.trace import wants_kernels
+from nxdc.export import prepare, write_weights
+from nxdc.model.decoder import Decoder, kv_cache_names, tie_lm_head
+from nxdc.model.dtypes import TORCH_DTYPES
+from nxdc.model.layers import use_kernels
+from nxdc.plan import stored_kv_cache
+
 EVAL_TEXT = (
     "The lighthouse stood at the end of a narrow spit of rock, and for most of the year the only "
     "visitors were gulls and the supply boat that came on the first Monday of every month. The "
@@ -48,8 +55,6 @@ def measure_formats(
     """``measure`` for several weight formats, each with the KV cache an export of it gets
     (``opts.kv_cache``, or by default ``stored_kv_cache``'s choice), against one fp32 reference
     run (fp32 weights and cache)."""
-    from nxdc.export import prepare, write_weights
-    from nxdc.plan import stored_kv_cache
 
     kv = opts.kv_cache
     opts = dataclasses.replace(
@@ -100,10 +105,6 @@ def _tokens(src, text: str, limit: int) -> torch.Tensor:
 def _logits(spec, plan, path: Path, ids: torch.Tensor) -> torch.Tensor:
     from safetensors.torch import load_file
 
-    from nxdc.compile.trace import TORCH_DTYPES, wants_kernels
-    from nxdc.model.decoder import Decoder
-    from nxdc.model.layers import use_kernels
-
     model = Decoder(
         spec,
         1,
@@ -114,11 +115,10 @@ def _logits(spec, plan, path: Path, ids: torch.Tensor) -> torch.Tensor:
     ).eval()
     state = load_file(str(path))
     if spec.tie_word_embeddings:
-        state["lm_head.weight"] = state["embed_tokens.weight"]
-        if "embed_tokens.scale" in state:
-            state["lm_head.scale"] = state["embed_tokens.scale"]
+        tie_lm_head(state)
     result = model.load_state_dict(state, strict=False)
-    bad = [k for k in result.missing_keys if not k.endswith("_cache")] + list(result.unexpected_keys)
+    kv = set(kv_cache_names(spec))
+    bad = [k for k in result.missing_keys if k not in kv] + list(result.unexpected_keys)
     if bad:
         raise AssertionError(f"accuracy check: weights do not fit the model: {bad[:3]}")
     use_kernels(model, wants_kernels(plan))

@@ -18,31 +18,34 @@ import torch
 from safetensors.torch import save_file
 
 import nxdc
-from nxdc.archs import get_arch
-from nxdc.cache.keys import digest, model_code_digest, sha256_file
+from nxdc.archs import get_arch, spec_from_config
+from nxdc.cache.keys import digest, sha256_file
 from nxdc.cache.registry import record_export
 from nxdc.cache.store import CompileCache
 from nxdc.compile.backends import get_backend
 from nxdc.compile.buckets import Bucket
+from nxdc.compile.graph_keys import key_parts, namespace
 from nxdc.compile.trace import (
-    TORCH_DTYPES,
     build_decoder,
     fake_process_group,
     input_specs,
     meta_decoder,
+    rank_weight_bytes,
     trace,
     wants_kernels,
+    weight_bytes,
 )
 from nxdc.errors import UnsupportedError, UserInputError
 from nxdc.kernels import LIBRARY, kernel_digest, loaded_library
 from nxdc.kernels import status as kernel_status
 from nxdc.kernels.quant import quantize_int8
 from nxdc.manifest import MANIFEST, Artifact, FileRef, Manifest
-from nxdc.model.fused import combine, fused_target, part_shape
-from nxdc.model.parallel import shard_layout
-from nxdc.plan import ExportOptions, ExportPlan, make_plan, planned_spec
+from nxdc.model.dtypes import TORCH_DTYPES
+from nxdc.model.fused import checkpoint_targets, combine, part_shape
+from nxdc.model.sharding import expert_intermediate, shard_layout
+from nxdc.plan import ExportOptions, ExportPlan, kv_cache_bytes, make_plan, planned_spec
 from nxdc.progress import NullReporter, Reporter
-from nxdc.spec import ModelSpec, spec_from_config
+from nxdc.spec import ModelSpec
 from nxdc.weights.shard import rank_tensor
 from nxdc.weights.sources import ModelSource, resolve
 
@@ -83,6 +86,7 @@ def prepare(
     cfg = src.config()
     spec = spec_from_config(cfg)
     plan = make_plan(spec, opts)
+    get_backend(plan.backend, plan.device)  # refuses an unavailable backend or device now
     spec = planned_spec(spec, opts)
     if opts.num_layers:  # the export's config.json describes the model it holds
         cfg = {**cfg, "num_hidden_layers": opts.num_layers}
@@ -99,39 +103,32 @@ def write_weights(src: ModelSource, spec: ModelSpec, plan: ExportPlan, rank: int
         )
     layout = shard_layout(spec, plan.tp)
     tp1 = shard_layout(spec, 1)
-    full = meta_decoder(spec, dataclasses.replace(plan, tp=1)).state_dict()  # checkpoint shapes
-    meta = {
-        n: p
-        for n, p in meta_decoder(spec, plan).state_dict().items()
-        if not n.endswith(("_cache", "rope_cos", "rope_sin"))
-    }
+    checkpoint = meta_decoder(spec, dataclasses.replace(plan, tp=1))
+    full = checkpoint.state_dict()  # checkpoint shapes
+    targets = checkpoint_targets(checkpoint)
+    meta = meta_decoder(spec, plan).stored_state()
     expected = {n: tuple(p.shape) for n, p in meta.items()}
-    if spec.tie_word_embeddings:  # the runtime slices it from the embedding
-        expected.pop("lm_head.weight", None)
-        expected.pop("lm_head.scale", None)
     dtype = TORCH_DTYPES[plan.dtype]
     tensors: dict[str, torch.Tensor] = {}
-    parts: dict[str, dict[int, torch.Tensor]] = {}  # fused name -> this rank's parts so far
+    parts: dict[str, dict[int, torch.Tensor]] = {}  # combined name -> this rank's parts so far
     for hf_name, t in src.tensors(spec):
         name = arch.weight_name(hf_name)
-        fused = fused_target(name, spec.num_experts) if name is not None else None
-        stored = fused.target if fused else name
-        if stored is None or stored not in expected:
+        target = targets.get(name) if name is not None else None
+        if target is None or target.stored not in expected:
             continue
-        want = full[stored].shape
-        if fused:  # a q/k/v, gate/up or expert part (model/fused.py)
-            want = part_shape(spec, tp1, name, tuple(want))
+        stored = target.stored
+        want = part_shape(target, spec, tp1, tuple(full[stored].shape))
         if tuple(t.shape) != tuple(want):
             raise UserInputError(
                 f"{src.name}: weight {hf_name} has shape {tuple(t.shape)}, the config implies {tuple(want)}"
             )
-        w = rank_tensor(name, t, spec, layout, rank).to(dtype)
-        if fused:
+        w = rank_tensor(target.role, name.rpartition(".")[2], t, spec, layout, rank).to(dtype)
+        if target.count > 1:  # a q/k/v, gate/up or expert part (model/fused.py)
             got = parts.setdefault(stored, {})
-            got[fused.index] = w
-            if len(got) < fused.count:
+            got[target.index] = w
+            if len(got) < target.count:
                 continue
-            w = combine(fused, [got[i] for i in range(fused.count)])
+            w = combine(target, [got[i] for i in range(target.count)])
             del parts[stored]
         if tuple(w.shape) != expected[stored]:  # a sharding bug, not a user error
             raise AssertionError(f"{stored}: rank {rank} shard {tuple(w.shape)} != {expected[stored]}")
@@ -160,33 +157,6 @@ def stored_tensors(name: str, w: torch.Tensor, dtype: torch.dtype) -> dict[str, 
         q, scale = quantize_int8(w)
         return {name: q, f"{name.rpartition('.')[0]}.scale": scale}
     return {name: w.to(dtype).contiguous()}
-
-
-def key_parts(
-    spec: ModelSpec, plan: ExportPlan, bucket: Bucket, backend, kernels: str | None
-) -> dict[str, Any]:
-    """What makes a compiled graph. No rank: under tensor parallelism every rank runs the same
-    graph (SPMD; weights and KV caches are handed in at load time), so one artifact per bucket
-    serves every rank."""
-    return {
-        "kernels": kernels,
-        "model": spec.to_dict(),
-        "bucket": bucket.name,
-        "batch_size": plan.batch_size,
-        "sequence_length": plan.sequence_length,
-        "dtype": plan.dtype,
-        **({"weights": plan.weights} if plan.weights else {}),
-        **({"kv_cache": plan.kv_cache} if plan.kv_cache else {}),
-        "tp": plan.tp,
-        **({"speculation_length": plan.speculation_length} if bucket.kind == "verify" else {}),
-        "code": model_code_digest(),
-        **backend.key_parts(bucket.kind),
-    }
-
-
-def namespace(backend) -> str:
-    p = backend.key_parts()
-    return f"{p['backend']}-{p['device']}-{p['torch']}-{p['isa']}".replace("/", "_").replace(" ", "")
 
 
 def compile_bucket(
@@ -331,3 +301,38 @@ def _publish(tmp: Path, out: Path) -> None:
     os.rename(tmp, out)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def plan_summary(model: str, spec, plan) -> dict:
+    """What ``--dry-run`` reports: the plan, its sharding and its memory, per rank and in all."""
+    layout = shard_layout(spec, plan.tp)
+    rank_w, rank_kv = rank_weight_bytes(spec, plan), kv_cache_bytes(spec, plan, per_rank=True)
+    moe = {}
+    if spec.is_moe:
+        moe = {
+            "moe": {
+                "experts": spec.num_experts,
+                "experts_per_token": spec.experts_per_token,
+                "active_params": spec.param_count(active=True),
+                "expert_intermediate_per_rank": expert_intermediate(spec, plan.tp),
+            }
+        }
+    return {
+        "model": model,
+        "arch": spec.arch,
+        "params": spec.param_count(),
+        **moe,
+        "plan": plan.to_dict(),
+        "weight_bytes": weight_bytes(spec, plan),
+        "kv_cache_bytes": kv_cache_bytes(spec, plan),
+        "sharding": {
+            "strategy": layout.strategy,
+            "heads": layout.describe(spec),
+            "q_heads_per_rank": layout.heads,
+            "kv_heads_per_rank": layout.kv,
+            "intermediate_per_rank": layout.intermediate,
+            "vocab_per_rank": layout.vocab,
+            "rank_weight_bytes": rank_w,
+            "rank_kv_cache_bytes": rank_kv,
+        },
+    }

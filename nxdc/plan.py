@@ -11,8 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from nxdc.archs import spec_from_config
 from nxdc.compile.buckets import Bucket, context_buckets
 from nxdc.errors import UnsupportedError, UserInputError
+from nxdc.model.sharding import check_tp, shard_layout
 from nxdc.spec import ModelSpec
 
 DTYPES = ("fp32", "bf16")
@@ -141,9 +143,10 @@ def _positive(name: str, value: int) -> None:
 DEFAULT_SEQUENCE_LENGTH = 1024
 
 
-def make_plan(spec: ModelSpec, opts: ExportOptions, check_device: bool = True) -> ExportPlan:
-    """``check_device=False`` plans for another machine (``--config-only``): the backend and
-    device are not required to be available here."""
+def make_plan(spec: ModelSpec, opts: ExportOptions) -> ExportPlan:
+    """Check the options against the model and fill in the defaults. Whether this machine has
+    the backend and device is the exporter's check (a plan may be for another machine:
+    ``--config-only``)."""
     if opts.sequence_length is None:
         limits = [DEFAULT_SEQUENCE_LENGTH, spec.max_position_embeddings, spec.sliding_window]
         opts = dataclasses.replace(opts, sequence_length=min(n for n in limits if n is not None))
@@ -153,12 +156,6 @@ def make_plan(spec: ModelSpec, opts: ExportOptions, check_device: bool = True) -
         raise UserInputError(f"--dtype must be one of {', '.join(DTYPES)} (got {opts.dtype!r})")
     if opts.backend not in BACKENDS:
         raise UserInputError(f"--backend must be one of {', '.join(BACKENDS)} (got {opts.backend!r})")
-    from nxdc.compile.backends import get_backend
-
-    if check_device:
-        get_backend(opts.backend, opts.device)  # refuses unavailable backends/devices now
-    from nxdc.model.parallel import check_tp
-
     why = check_tp(spec, opts.tp)
     if why:
         raise UnsupportedError(why)
@@ -261,11 +258,9 @@ def read_config_json(path: str | os.PathLike) -> dict[str, Any]:
 def plan_from_config(path: str | os.PathLike, opts: ExportOptions) -> tuple[dict, ModelSpec, ExportPlan]:
     """Spec and plan from a config.json alone (``nxdc export --config-only``): sizes a
     deployment for another machine, so the backend and device are not checked here."""
-    from nxdc.spec import spec_from_config
-
     cfg = read_config_json(path)
     spec = spec_from_config(cfg)
-    plan = make_plan(spec, opts, check_device=False)
+    plan = make_plan(spec, opts)
     return cfg, planned_spec(spec, opts), plan
 
 
@@ -308,34 +303,11 @@ def planned_spec(spec: ModelSpec, opts: ExportOptions) -> ModelSpec:
     return dataclasses.replace(spec, num_layers=opts.num_layers) if opts.num_layers else spec
 
 
-def weight_bytes(spec: ModelSpec, plan: ExportPlan) -> int:
-    """Bytes of the whole model's weights as stored (``--weights``: int8 plus its scales, ...);
-    a decode step streams about this much (a tied embedding is read once, as the lm_head)."""
-    return rank_weight_bytes(spec, dataclasses.replace(plan, tp=1))
-
-
-def rank_weight_bytes(spec: ModelSpec, plan: ExportPlan) -> int:
-    """Bytes of one rank's weight file: its shards (padding included) plus the replicated
-    embedding and norms (a tied lm_head shard is sliced from the embedding at load time)."""
-    from nxdc.compile.trace import meta_decoder
-
-    model = meta_decoder(spec, plan)
-    seen, n = set(), 0
-    for name, t in model.state_dict(keep_vars=True).items():
-        if name.endswith(("_cache", "rope_cos", "rope_sin")) or id(t) in seen:
-            continue
-        seen.add(id(t))
-        n += t.numel() * t.element_size()
-    return n
-
-
 def kv_cache_bytes(
     spec: ModelSpec, plan: ExportPlan, slots: int | None = None, per_rank: bool = False
 ) -> int:
     """K and V bytes for ``slots`` cache positions per sequence (default: the whole cache),
     summed over ranks (replicated and padded KV heads included) unless ``per_rank``."""
-    from nxdc.model.parallel import shard_layout
-
     slots = plan.sequence_length if slots is None else slots
     kv = shard_layout(spec, plan.tp).kv * (1 if per_rank else plan.tp)
     per_slot = 2 * spec.num_layers * kv * spec.head_dim * DTYPE_BYTES[plan.kv_format]

@@ -8,7 +8,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from nxdc.errors import UnsupportedError, UserInputError
+from nxdc.errors import UnsupportedError
 
 
 @dataclass(frozen=True)
@@ -131,19 +131,3 @@ def eos_ids(cfg: dict[str, Any]) -> tuple[int, ...]:
     if eos is None:
         return ()
     return tuple(eos) if isinstance(eos, list) else (int(eos),)
-
-
-def spec_from_config(cfg: dict[str, Any]) -> ModelSpec:
-    """Map a Hugging Face config dict to a ModelSpec through the architecture registry."""
-    from nxdc.archs import get_arch
-
-    model_type = cfg.get("model_type")
-    if not model_type:
-        raise UserInputError("config.json has no 'model_type': is this a Hugging Face model?")
-    arch = get_arch(model_type)
-    try:
-        return arch.spec_from_config(cfg)
-    except KeyError as e:
-        raise UserInputError(f"config.json ({model_type}) has no {e.args[0]!r}") from None
-    except (TypeError, ValueError) as e:
-        raise UserInputError(f"config.json ({model_type}) has an invalid value: {e}") from None

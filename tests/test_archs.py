@@ -33,15 +33,14 @@ from safetensors.torch import load_file
 from tiny import TINY_ARCHS, make_tiny, tiny_config, tiny_tokenizer
 from typer.testing import CliRunner
 
-from nxdc.archs import get_arch, supported
+from nxdc.archs import get_arch, spec_from_config, supported
 from nxdc.cli.main import app
 from nxdc.errors import UnsupportedError, UserInputError
 from nxdc.export import run_export, write_weights
 from nxdc.model.decoder import ContextEncoding, Decoder, TokenGeneration
 from nxdc.model.moe import MoE
-from nxdc.model.parallel import shard_layout
+from nxdc.model.sharding import shard_layout
 from nxdc.plan import ExportOptions, make_plan
-from nxdc.spec import spec_from_config
 from nxdc.weights.shard import tied_lm_head
 from nxdc.weights.sources import resolve
 

@@ -83,8 +83,11 @@ def test_bench_bad_input(tiny_gqa_export, flags, needle):
 
 
 def test_compare_refuses_int8_weight_exports(tmp_path):
+    from types import SimpleNamespace
+
     from nxdc.bench.reference import transformers_model
     from nxdc.errors import UserInputError
 
     with pytest.raises(UserInputError, match="cannot rebuild an int8-weight export"):
-        transformers_model(tmp_path, {"plan": {"tp": 1, "dtype": "fp32", "weights": "int8"}})
+        plan = SimpleNamespace(tp=1, dtype="fp32", weights="int8")
+        transformers_model(tmp_path, SimpleNamespace(plan=plan))

@@ -57,12 +57,12 @@ def test_16_bit_kv_cache_stays_close_to_transformers(kv, kernels):
 def test_kv_cache_option_is_checked_and_keyed(tiny_gqa, tmp_path):
     from typer.testing import CliRunner
 
+    from nxdc.archs import spec_from_config
     from nxdc.cli.main import app
     from nxdc.compile.backends import get_backend
     from nxdc.compile.buckets import Bucket
-    from nxdc.export import key_parts
+    from nxdc.compile.graph_keys import key_parts
     from nxdc.plan import ExportOptions, make_plan
-    from nxdc.spec import spec_from_config
 
     r = CliRunner()
     bad = r.invoke(

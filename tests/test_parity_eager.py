@@ -8,10 +8,9 @@ import torch
 from parity import max_error, nxdc_logits, reference_logits
 from tiny import tiny_llama_config
 
-from nxdc.archs import get_arch
+from nxdc.archs import get_arch, spec_from_config
 from nxdc.model.decoder import ContextEncoding, Decoder, TokenGeneration
 from nxdc.model.fused import fuse_state_dict
-from nxdc.spec import spec_from_config
 
 LLAMA3 = {
     "rope_type": "llama3",
@@ -54,7 +53,9 @@ def build(case: str, dtype, batch: int, max_seq: int):
     spec = spec_from_config(cfg.to_dict())
     ours = Decoder(spec, batch, max_seq, dtype).eval()
     arch = get_arch("llama")
-    sd = fuse_state_dict({arch.weight_name(k): v for k, v in hf.state_dict().items() if arch.weight_name(k)})
+    sd = fuse_state_dict(
+        {arch.weight_name(k): v for k, v in hf.state_dict().items() if arch.weight_name(k)}, ours
+    )
     result = ours.load_state_dict(sd, strict=False)
     assert not result.unexpected_keys
     assert all(k.endswith(("_cache",)) for k in result.missing_keys), result.missing_keys

@@ -21,7 +21,7 @@ PROMPTS = [
 
 
 def test_gguf_weights_match_transformers(smollm2_reference):
-    from nxdc.spec import spec_from_config
+    from nxdc.archs import spec_from_config
     from nxdc.weights.sources import resolve
 
     model, _ = smollm2_reference

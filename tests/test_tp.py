@@ -16,14 +16,14 @@ from parity import nxdc_logits
 from test_smollm2 import PROMPTS
 from tiny import tiny_llama_config
 
+from nxdc.archs import spec_from_config
 from nxdc.errors import UserInputError
 from nxdc.export import run_export
 from nxdc.generation.loop import encode_prompts, generate
-from nxdc.model.parallel import check_tp, shard_layout
+from nxdc.model.sharding import check_tp, shard_layout
 from nxdc.plan import ExportOptions
 from nxdc.runtime.runner import Runner
 from nxdc.runtime.workers import open_runner
-from nxdc.spec import spec_from_config
 
 # The tiny GQA source (4 heads / 2 KV heads) at these degrees hits every layout.
 TINY_DEGREES = {2: "split", 3: "pad", 4: "replicate"}

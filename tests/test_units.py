@@ -7,12 +7,13 @@ import json
 import pytest
 import torch
 
+from nxdc.archs import spec_from_config
 from nxdc.cache.store import CompileCache, verify_entry
 from nxdc.compile.buckets import Bucket, context_buckets, pick_context_bucket
 from nxdc.errors import UnsupportedError, UserInputError
 from nxdc.generation.sampling import SamplingParams, filter_logits, greedy
 from nxdc.generation.stopping import find_stop
-from nxdc.spec import rope_from_config, spec_from_config
+from nxdc.spec import rope_from_config
 
 
 def test_context_buckets_powers_of_two():

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from nxdc.archs import register
@@ -66,8 +67,46 @@ class LlamaLike:
             return hf_name
         return None
 
+    def hf_name(self, name: str) -> str:
+        """The model's name -> the HF checkpoint's (the inverse of ``weight_name`` for the names
+        both spell alike: ``--compare transformers`` rebuilds the HF model from an export)."""
+        return name if name.startswith("lm_head.") else f"model.{name}"
+
+    def gguf_name(self, gguf_name: str) -> str | None:
+        """GGUF tensor name -> HF checkpoint name (None: skipped); only where ``gguf``."""
+        return None
+
+    def gguf_permuted(self, hf_name: str) -> bool:
+        """Whether llama.cpp stored this tensor's rows permuted per head (its q and k)."""
+        return hf_name.endswith(("q_proj.weight", "k_proj.weight"))
+
+
+# llama.cpp's tensor names for Llama-shaped models (its q/k rows are permuted per head:
+# weights/gguf_source.py undoes that)
+GGUF_LAYER = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+GGUF_GLOBAL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
 
 @register("llama")
 class Llama(LlamaLike):
     name = "llama"
     gguf = True
+
+    def gguf_name(self, gguf_name: str) -> str | None:
+        base, _, suffix = gguf_name.rpartition(".")  # "rope_freqs" and the like: recomputed
+        if base in GGUF_GLOBAL:
+            return f"{GGUF_GLOBAL[base]}.{suffix}"
+        m = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
+        if m and m.group(2) in GGUF_LAYER:
+            return f"model.layers.{m.group(1)}.{GGUF_LAYER[m.group(2)]}.{suffix}"
+        return None

@@ -9,6 +9,7 @@ import time
 
 import torch
 
+import nxdc
 from nxdc.runtime.arena import HostArena
 
 
@@ -64,7 +65,6 @@ def peak_rss_mib() -> float:
 
 
 def machine_info(threads: int) -> dict:
-    import nxdc
 
     cpu = platform.processor() or platform.machine()
     try:

@@ -8,9 +8,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from nxdc.compile.trace import TORCH_DTYPES
+from nxdc.archs import get_arch
+from nxdc.compile.trace import meta_decoder
 from nxdc.errors import UserInputError
 from nxdc.manifest import Manifest
+from nxdc.model.decoder import TIED
+from nxdc.model.dtypes import TORCH_DTYPES
 from nxdc.model.fused import unfuse_state_dict
 
 
@@ -29,10 +32,12 @@ def transformers_model(export_dir: Path, manifest: Manifest):
     cfg = AutoConfig.from_pretrained(export_dir)
     model = AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
     ours = load_file(str(Path(export_dir) / "weights" / manifest.rank_weights(0).path))
-    ours = unfuse_state_dict(ours, manifest.spec)
-    state = {(k if k == "lm_head.weight" else f"model.{k}"): v for k, v in ours.items()}
+    ours = unfuse_state_dict(ours, meta_decoder(manifest.spec, plan))
+    arch = get_arch(manifest.spec.arch)
+    state = {arch.hf_name(k): v for k, v in ours.items()}
     result = model.load_state_dict(state, strict=False)
-    missing = [k for k in result.missing_keys if not (k == "lm_head.weight" and cfg.tie_word_embeddings)]
+    tied = {arch.hf_name(k) for k in TIED} if cfg.tie_word_embeddings else set()
+    missing = [k for k in result.missing_keys if k not in tied]
     if missing or result.unexpected_keys:
         raise UserInputError(
             f"cannot rebuild the transformers model from {export_dir}: "

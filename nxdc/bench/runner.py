@@ -19,10 +19,17 @@ from pathlib import Path
 
 import numpy as np
 
-from nxdc.bench.machine import machine_info, peak_rss_mib
+from nxdc.bench.machine import machine_info, peak_rss_mib, read_bandwidth_gbs
+from nxdc.bench.reference import transformers_generate, transformers_model
 from nxdc.compile.buckets import pick_context_bucket
+from nxdc.compile.trace import weight_bytes
 from nxdc.errors import UserInputError
+from nxdc.generation.loop import generate
 from nxdc.manifest import load_manifest
+from nxdc.plan import kv_cache_bytes
+from nxdc.runtime.threads import apply_threads
+from nxdc.runtime.tokenizer import load_tokenizer
+from nxdc.runtime.workers import open_runner
 
 SCHEMA = 1
 
@@ -37,7 +44,6 @@ def synthetic_prompt(tokenizer, n: int) -> list[int]:
 def step_bytes(session, position: int) -> int:
     """Bytes a decode step at ``position`` must read: every weight once plus the KV cache slots
     up to that position (what attention needs; nxdc's CPU attention kernel reads no more)."""
-    from nxdc.plan import kv_cache_bytes, weight_bytes
 
     s, p = session.spec, session.plan
     return weight_bytes(s, p) + kv_cache_bytes(s, p, position + 1)
@@ -54,8 +60,6 @@ def run_bench(
     threads: int | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> dict:
-    from nxdc.runtime.threads import apply_threads
-    from nxdc.runtime.workers import open_runner
 
     if runs < 1 or warmup < 0 or new_tokens < 2:
         raise UserInputError("--runs must be >= 1, --warmup >= 0 and --new-tokens >= 2")
@@ -100,13 +104,10 @@ def _round_robin(configs: list[_Config], runs: int, warmup: int, progress) -> No
 
 
 def _configs(sess, d, index, batch_sizes, prompt_lengths, new_tokens, compare, info) -> list[_Config]:
-    from nxdc.cli.generate import load_tokenizer
 
     tok = load_tokenizer(d)
     ref = None
     if compare:
-        from nxdc.bench.reference import transformers_model
-
         ref = transformers_model(Path(d), sess.manifest)
     out = []
     for b in batch_sizes or [sess.batch_size]:
@@ -134,18 +135,15 @@ class _Config:
         self.bandwidth: list[list[float]] = []  # [before, after] each run
 
     def sample(self) -> float:  # the read ceiling of the device the export runs on
-        from nxdc.bench.machine import read_bandwidth_gbs
 
         return read_bandwidth_gbs(self.threads, reps=3, device=self.sess.plan.device)
 
     def generate(self):
-        from nxdc.generation.loop import generate
 
         b = len(self.ids)
         return generate(self.sess, self.tok, [""] * b, self.new_tokens, eos_ids=set(), prompt_ids=self.ids)
 
     def warm(self, warmup: int) -> None:
-        from nxdc.bench.reference import transformers_generate
 
         for _ in range(warmup):
             self.generate()
@@ -153,7 +151,6 @@ class _Config:
                 transformers_generate(self.ref, self.ids, 4)
 
     def run_once(self) -> None:
-        from nxdc.bench.reference import transformers_generate
 
         before = self.sample()
         res = self.generate()

@@ -16,8 +16,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from nxdc.cache.keys import digest
+from nxdc.cache.keys import digest, model_code_digest
+from nxdc.compile.backends import get_backend
+from nxdc.compile.graph_keys import namespace
 from nxdc.errors import CacheError
+from nxdc.kernels import kernel_digest
 
 REGISTRY = "registry"
 FORMAT = 1
@@ -27,7 +30,6 @@ log = logging.getLogger("nxdc.cache")
 
 def make_record(manifest, namespace: str) -> dict[str, Any]:
     """A registry record of a finished export (``manifest``: its ``nxdc.manifest.Manifest``)."""
-    from nxdc.cache.keys import model_code_digest
 
     spec, plan = manifest.spec, manifest.plan.to_dict()
     buckets = {name: a.key for name, a in manifest.artifacts.items()}
@@ -114,9 +116,6 @@ def load_records(root: Path, model_digest: str | None = None) -> list[dict[str, 
 def current_namespace(plan: dict[str, Any]) -> str | None:
     """This machine's namespace for the record's backend/device (None: not available here)."""
     try:
-        from nxdc.compile.backends import get_backend
-        from nxdc.export import namespace
-
         return namespace(get_backend(plan["backend"], plan["device"]))
     except Exception:  # backend or device not available on this machine
         return None
@@ -126,8 +125,6 @@ def unusable_reason(record: dict[str, Any]) -> str | None:
     """Why this machine's nxdc would not reuse the record's graphs (None: it would). Best
     effort: same model code, same kernels, same backend/device/torch/ISA namespace. (An export
     recomputes its keys anyway; this only saves a wasted look.)"""
-    from nxdc.cache.keys import model_code_digest
-    from nxdc.kernels import kernel_digest
 
     if record.get("code") != model_code_digest():
         return "other nxdc model code"

@@ -27,6 +27,7 @@ from nxdc.cache.remotes import Remote, RemoteCorrupt, RemoteUnavailable, configu
 from nxdc.cache.remotes.base import SAFE_PART
 from nxdc.cache.store import CompileCache, Lookup, verify_entry
 from nxdc.errors import CacheError, UserInputError
+from nxdc.kernels import kernel_entry
 
 log = logging.getLogger("nxdc.cache")
 KEY = re.compile(r"^[0-9a-f]{64}$")
@@ -354,30 +355,6 @@ def pull_records(cache: CompileCache, remote: Remote, model_digest: str | None =
     return n
 
 
-def plan_entries(
-    model: str, opts, cache_root: Path
-) -> tuple[Any, Any, dict[tuple[str, str], dict[str, Any]]]:
-    """(spec, plan, {(namespace, key): key parts}) for the graphs ``nxdc export`` would use,
-    computed exactly as the export computes them; nothing is traced."""
-    from nxdc.compile.backends import get_backend
-    from nxdc.compile.trace import kernels_apply
-    from nxdc.export import key_parts, namespace, prepare
-    from nxdc.kernels import kernel_digest, kernel_entry
-
-    _, _, spec, plan = prepare(model, opts, cache_root)
-    backend = get_backend(plan.backend, plan.device)
-    kernels = kernel_digest() if kernels_apply(plan) else None
-    ns = namespace(backend)
-    out = {}
-    if kernels:  # the kernel library the graphs call travels with them
-        k_ns, k_key, k_parts = kernel_entry()
-        out[(k_ns, k_key)] = json.loads(canonical(k_parts))
-    for bucket in plan.buckets:
-        parts = key_parts(spec, plan, bucket, backend, kernels)
-        out[(ns, digest(parts))] = json.loads(canonical(parts))
-    return spec, plan, out
-
-
 # -- local housekeeping -------------------------------------------------------------------
 
 
@@ -524,7 +501,6 @@ def list_remote(remote: Remote, now: float | None = None) -> list[dict[str, Any]
 def lookup(cache: CompileCache, model_digest: str, remote: Remote | None = None) -> dict[str, Any]:
     """Export configurations recorded for this model, with where their graphs all are and, for
     those whose graphs call nxdc's CPU kernels, where the kernel library is."""
-    from nxdc.kernels import kernel_entry
 
     records = {r["id"]: r for r in load_records(cache.root, model_digest)}
     on_remote: set[tuple[str, str]] | None = None

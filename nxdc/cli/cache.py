@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from nxdc.cli import export_options as O
 from nxdc.cli.common import cli_errors, err_console, print_json
 from nxdc.errors import UserInputError
 
@@ -142,23 +143,23 @@ def pull(
     model: str = typer.Argument(None, help="Pull what `nxdc export MODEL` with these options needs."),
     keys: list[str] = KEYS,
     config: Path = typer.Option(None, "--config", help="TOML preset, as for export."),
-    tp: int = typer.Option(None, "--tp"),
-    batch_size: int = typer.Option(None, "--batch-size"),
-    sequence_length: int = typer.Option(None, "--sequence-length"),
-    max_context_length: int = typer.Option(None, "--max-context-length"),
-    min_context_bucket: int = typer.Option(None, "--min-context-bucket"),
-    context_buckets: str = typer.Option(None, "--context-buckets"),
-    min_decode_bucket: int = typer.Option(None, "--min-decode-bucket"),
-    decode_buckets: str = typer.Option(None, "--decode-buckets"),
-    dtype: str = typer.Option(None, "--dtype"),
-    weights: str = typer.Option(None, "--weights"),
-    kv_cache: str = typer.Option(None, "--kv-cache"),
-    speculation_length: int = typer.Option(None, "--speculation-length"),
-    num_layers: int = typer.Option(None, "--num-layers"),
-    chunk_buckets: str = typer.Option(None, "--chunk-buckets"),
-    decode_batch_sizes: str = typer.Option(None, "--decode-batch-sizes"),
-    backend: str = typer.Option(None, "--backend"),
-    device: str = typer.Option(None, "--device"),
+    tp: int = O.TP,
+    batch_size: int = O.BATCH_SIZE,
+    sequence_length: int = O.SEQUENCE_LENGTH,
+    max_context_length: int = O.MAX_CONTEXT_LENGTH,
+    min_context_bucket: int = O.MIN_CONTEXT_BUCKET,
+    context_buckets: str = O.CONTEXT_BUCKETS,
+    min_decode_bucket: int = O.MIN_DECODE_BUCKET,
+    decode_buckets: str = O.DECODE_BUCKETS,
+    dtype: str = O.DTYPE,
+    weights: str = O.WEIGHTS,
+    kv_cache: str = O.KV_CACHE,
+    speculation_length: int = O.SPECULATION_LENGTH,
+    num_layers: int = O.NUM_LAYERS,
+    chunk_buckets: str = O.CHUNK_BUCKETS,
+    decode_batch_sizes: str = O.DECODE_BATCH_SIZES,
+    backend: str = O.BACKEND,
+    device: str = O.DEVICE,
     remote: str = REMOTE,
     cache_dir: Path = CACHE_DIR,
     json_out: bool = JSON,
@@ -168,6 +169,9 @@ def pull(
     """Download verified entries: those an export of MODEL needs, the --key ones, or (no MODEL, no --key) everything on the remote."""
     flags = dict(locals())  # the arguments; the ExportOptions ones are export options
     from nxdc.cache import transfer
+    from nxdc.compile.backends import get_backend
+    from nxdc.compile.graph_keys import graph_entries
+    from nxdc.export import prepare
     from nxdc.plan import ExportOptions
 
     cache = _cache(cache_dir)
@@ -179,20 +183,12 @@ def pull(
     if model and want_keys:
         raise UserInputError("give a MODEL or --key, not both")
     if model:
-        spec, _, wanted = transfer.plan_entries(model, _export_options(config, given), cache.root)
+        _, _, spec, plan = prepare(model, O.from_preset(config, given), cache.root)
+        wanted = graph_entries(spec, plan, get_backend(plan.backend, plan.device))
         rep = transfer.pull(cache, rem, wanted=wanted, model_digest=spec.digest())
     else:
         rep = transfer.pull(cache, rem, keys=want_keys)
     _finish("pulled", rep, json_out, quiet, missing_is_error=want_keys is not None)
-
-
-def _export_options(config: Path | None, given: dict):
-    from nxdc.cli.export import export_options
-    from nxdc.plan import load_preset
-
-    preset = load_preset(config) if config else {}
-    preset.pop("model", None)
-    return export_options(preset, given)
 
 
 @app.command("sync")
@@ -311,8 +307,8 @@ def lookup(
     verbose: bool = VERBOSE,
 ) -> None:
     """Which export configurations of MODEL have every graph cached, locally and on the remote (from the registry exports write; nothing is traced)."""
+    from nxdc.archs import spec_from_config
     from nxdc.cache import transfer
-    from nxdc.spec import spec_from_config
     from nxdc.weights.sources import resolve
 
     cache = _cache(cache_dir)

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import typer
 
+from nxdc.cli import export_options as O
 from nxdc.cli.common import cli_errors, err_console, print_json
 from nxdc.errors import UserInputError
 
@@ -17,64 +18,28 @@ def export(
         None, "-o", "--output", help="Export directory to write (not needed with --dry-run)."
     ),
     config: Path = typer.Option(None, "--config", help="TOML preset (configs/*.toml); flags override it."),
-    tp: int = typer.Option(None, "--tp", help="Tensor-parallel degree. \\[default: 1]"),
-    batch_size: int = typer.Option(None, "--batch-size", help="Static batch size. \\[default: 1]"),
-    sequence_length: int = typer.Option(
-        None,
-        "--sequence-length",
-        help="KV-cache length (prompt + new tokens). \\[default: min(1024, model max)]",
-    ),
-    max_context_length: int = typer.Option(
-        None, "--max-context-length", help="Largest prompt bucket. \\[default: sequence length]"
-    ),
-    min_context_bucket: int = typer.Option(
-        None, "--min-context-bucket", help="Smallest prompt bucket. \\[default: 128]"
-    ),
-    context_buckets: str = typer.Option(
-        None, "--context-buckets", help="Explicit prompt buckets, e.g. 128,512."
-    ),
-    min_decode_bucket: int = typer.Option(
-        None, "--min-decode-bucket", help="Smallest decode cache length. \\[default: 256]"
-    ),
-    decode_buckets: str = typer.Option(
-        None, "--decode-buckets", help="Explicit decode cache lengths, e.g. 512,1024."
-    ),
-    dtype: str = typer.Option(None, "--dtype", help="fp32 | bf16. \\[default: fp32]"),
-    weights: str = typer.Option(
-        None,
-        "--weights",
-        help="Weight storage: fp32 | fp16 | bf16 | int8 (activations stay --dtype fp32). \\[default: --dtype]",
-    ),
-    kv_cache: str = typer.Option(
-        None,
-        "--kv-cache",
-        help="KV-cache storage: fp32 | fp16 | bf16 (attention still computes in --dtype). \\[default: the --weights format for fp16 / bf16 weights, else --dtype]",
-    ),
+    tp: int = O.TP,
+    batch_size: int = O.BATCH_SIZE,
+    sequence_length: int = O.SEQUENCE_LENGTH,
+    max_context_length: int = O.MAX_CONTEXT_LENGTH,
+    min_context_bucket: int = O.MIN_CONTEXT_BUCKET,
+    context_buckets: str = O.CONTEXT_BUCKETS,
+    min_decode_bucket: int = O.MIN_DECODE_BUCKET,
+    decode_buckets: str = O.DECODE_BUCKETS,
+    dtype: str = O.DTYPE,
+    weights: str = O.WEIGHTS,
+    kv_cache: str = O.KV_CACHE,
     check_accuracy: bool = typer.Option(
         False,
         "--check-accuracy",
         help="Measure the --weights / --kv-cache formats' error against fp32 on a fixed text.",
     ),
-    speculation_length: int = typer.Option(
-        None,
-        "--speculation-length",
-        help="Add verify graphs scoring K draft tokens per call (speculative decoding). \\[default: 0]",
-    ),
-    num_layers: int = typer.Option(
-        None, "--num-layers", help="Keep only the first L layers (a self-draft for speculation)."
-    ),
-    chunk_buckets: str = typer.Option(
-        None,
-        "--chunk-buckets",
-        help="Single-row prefill chunks for `nxdc serve`, e.g. 32,128,512 (docs/serve.md).",
-    ),
-    decode_batch_sizes: str = typer.Option(
-        None,
-        "--decode-batch-sizes",
-        help="Also decode graphs stepping only this many batch rows, e.g. 1 (cheaper steps when few are busy).",
-    ),
-    backend: str = typer.Option(None, "--backend", help="inductor | neuron. \\[default: inductor]"),
-    device: str = typer.Option(None, "--device", help="cpu | cuda[:N] (inductor backend). \\[default: cpu]"),
+    speculation_length: int = O.SPECULATION_LENGTH,
+    num_layers: int = O.NUM_LAYERS,
+    chunk_buckets: str = O.CHUNK_BUCKETS,
+    decode_batch_sizes: str = O.DECODE_BATCH_SIZES,
+    backend: str = O.BACKEND,
+    device: str = O.DEVICE,
     cache_dir: Path = typer.Option(
         None, "--cache-dir", envvar="NXDC_CACHE_DIR", help="Compile cache directory."
     ),
@@ -104,7 +69,7 @@ def export(
     from rich.markup import escape
 
     from nxdc.cache.transfer import open_cache
-    from nxdc.export import prepare, run_export
+    from nxdc.export import plan_summary, prepare, run_export
     from nxdc.plan import load_preset
     from nxdc.progress import NullReporter, RichReporter
 
@@ -119,7 +84,7 @@ def export(
         raise UserInputError("missing MODEL (a directory, .gguf file, Hub id or smollm2-135m)")
     if output is None and not (dry_run or config_only is not None):
         raise UserInputError("missing -o/--output (the export directory to write)")
-    opts = export_options(preset, flags)
+    opts = O.export_options(preset, flags)
     if dry_run or config_only is not None:
         if config_only is not None:
             from nxdc.plan import plan_from_config
@@ -171,46 +136,6 @@ def export(
             )
 
 
-def plan_summary(model: str, spec, plan) -> dict:
-    """What ``--dry-run`` reports: the plan, its sharding and its memory, per rank and in all."""
-    from nxdc.model.parallel import shard_layout
-    from nxdc.plan import kv_cache_bytes, rank_weight_bytes, weight_bytes
-
-    layout = shard_layout(spec, plan.tp)
-    rank_w, rank_kv = rank_weight_bytes(spec, plan), kv_cache_bytes(spec, plan, per_rank=True)
-    moe = {}
-    if spec.is_moe:
-        from nxdc.model.moe import expert_intermediate
-
-        moe = {
-            "moe": {
-                "experts": spec.num_experts,
-                "experts_per_token": spec.experts_per_token,
-                "active_params": spec.param_count(active=True),
-                "expert_intermediate_per_rank": expert_intermediate(spec, plan.tp),
-            }
-        }
-    return {
-        "model": model,
-        "arch": spec.arch,
-        "params": spec.param_count(),
-        **moe,
-        "plan": plan.to_dict(),
-        "weight_bytes": weight_bytes(spec, plan),
-        "kv_cache_bytes": kv_cache_bytes(spec, plan),
-        "sharding": {
-            "strategy": layout.strategy,
-            "heads": layout.describe(spec),
-            "q_heads_per_rank": layout.heads,
-            "kv_heads_per_rank": layout.kv,
-            "intermediate_per_rank": layout.intermediate,
-            "vocab_per_rank": layout.vocab,
-            "rank_weight_bytes": rank_w,
-            "rank_kv_cache_bytes": rank_kv,
-        },
-    }
-
-
 def describe_plan(s: dict) -> str:
     p, sh = s["plan"], s["sharding"]
     mib = lambda n: f"{n / 2**20:,.0f} MiB"  # noqa: E731
@@ -245,23 +170,3 @@ def describe_plan(s: dict) -> str:
             f"per rank: weights {mib(sh['rank_weight_bytes'])}, KV cache {mib(sh['rank_kv_cache_bytes'])}",
         ]
     return "\n".join(lines)
-
-
-def export_options(preset: dict, flags: dict):
-    """The preset's options overridden by the flags given (``flags``: a command's arguments,
-    named as ExportOptions fields; None: not given); bucket lists parsed from their
-    comma-separated form. Shared by ``export`` and ``cache pull``."""
-    from nxdc.plan import LIST_OPTIONS, ExportOptions
-
-    given = {k: v for k, v in flags.items() if v is not None and k in ExportOptions.fields()}
-    for name in LIST_OPTIONS:
-        if isinstance(given.get(name), str):
-            given[name] = _int_list(given[name], f"--{name.replace('_', '-')}")
-    return ExportOptions(**{**preset, **given})
-
-
-def _int_list(s: str, flag: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(x) for x in s.split(",") if x.strip())
-    except ValueError:
-        raise UserInputError(f"{flag} must be comma-separated integers (got {s!r})") from None

@@ -9,6 +9,7 @@ import typer
 
 from nxdc.cli.common import cli_errors, err_console, print_json
 from nxdc.errors import UserInputError
+from nxdc.runtime.tokenizer import load_tokenizer
 
 
 @cli_errors
@@ -150,12 +151,3 @@ def _generate(
                 f"{sp['accepted']}/{sp['proposed']} draft tokens accepted "
                 f"({sp['acceptance_rate']:.0%}), {sp['tokens_per_call']:.2f} tokens per target call[/]"
             )
-
-
-def load_tokenizer(export_dir: Path):
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(str(export_dir))
-    except Exception as e:
-        raise UserInputError(f"{export_dir}: cannot load the tokenizer ({e})") from e

@@ -19,6 +19,7 @@ import typer  # noqa: E402
 
 from nxdc.cli.bench import bench  # noqa: E402
 from nxdc.cli.cache import app as cache_app  # noqa: E402
+from nxdc.cli.doctor import doctor  # noqa: E402
 from nxdc.cli.export import export  # noqa: E402
 from nxdc.cli.generate import generate  # noqa: E402
 from nxdc.cli.serve import serve  # noqa: E402
@@ -30,7 +31,13 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-for _name, _fn in (("export", export), ("generate", generate), ("serve", serve), ("bench", bench)):
+for _name, _fn in (
+    ("export", export),
+    ("generate", generate),
+    ("serve", serve),
+    ("bench", bench),
+    ("doctor", doctor),
+):
     # the command list shows the docstring's first paragraph as written: one line per sentence
     app.command(_name, short_help=" ".join(_fn.__doc__.split("\n\n")[0].split()))(_fn)
 app.add_typer(cache_app, name="cache")

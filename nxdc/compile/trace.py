@@ -6,17 +6,18 @@ needs shapes and dtypes, not values, and the real weights are handed in at load 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import torch
 
 from nxdc.compile.buckets import Bucket
+from nxdc.kernels import cpu_supported, disabled, ensure_loaded
 from nxdc.model.decoder import ContextEncoding, Decoder, RowPrefill, TokenGeneration, Verify
+from nxdc.model.dtypes import TORCH_DTYPES
 from nxdc.model.layers import use_kernels
-from nxdc.model.parallel import shard_layout
+from nxdc.model.sharding import shard_layout
 from nxdc.plan import ExportPlan
 from nxdc.spec import ModelSpec
-
-TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def meta_decoder(spec: ModelSpec, plan: ExportPlan) -> Decoder:
@@ -42,16 +43,12 @@ def build_decoder(spec: ModelSpec, plan: ExportPlan, kernels: bool = False) -> D
 
 def kernels_apply(plan: ExportPlan) -> bool:
     """nxdc's CPU kernels are for fp32 on CPU, on CPUs with AVX2/FMA, unless disabled."""
-    from nxdc.kernels import cpu_supported, disabled
-
     return plan.device == "cpu" and plan.dtype == "fp32" and cpu_supported() and not disabled()
 
 
 def wants_kernels(plan: ExportPlan, cache=None) -> bool:
     """Whether the plan's graphs call nxdc's CPU kernels: they apply and could be loaded (from
     ``cache``, its remote, or a build)."""
-    from nxdc.kernels import ensure_loaded
-
     return kernels_apply(plan) and ensure_loaded(cache)
 
 
@@ -115,3 +112,16 @@ def fake_process_group(tp: int):
         yield
     finally:
         dist.destroy_process_group()
+
+
+def weight_bytes(spec: ModelSpec, plan: ExportPlan) -> int:
+    """Bytes of the whole model's weights as stored (``--weights``: int8 plus its scales, ...);
+    a decode step streams about this much (a tied embedding is read once, as the lm_head)."""
+    return rank_weight_bytes(spec, dataclasses.replace(plan, tp=1))
+
+
+def rank_weight_bytes(spec: ModelSpec, plan: ExportPlan) -> int:
+    """Bytes of one rank's weight file: its shards (padding included) plus the replicated
+    embedding and norms (a tied lm_head shard is sliced from the embedding at load time)."""
+    state = meta_decoder(spec, plan).stored_state()
+    return sum(t.numel() * t.element_size() for t in state.values())

@@ -31,15 +31,32 @@ import hashlib
 import json
 import logging
 import os
+import platform
+import shutil
+import subprocess
+import tempfile
 from pathlib import Path
 
 import torch
+
+from nxdc.cache.keys import digest, sha256_file
+from nxdc.cache.store import CompileCache
+from nxdc.errors import CacheError, ExportDirError
 
 log = logging.getLogger(__name__)
 # every C++ source compiled into the one library; all of them go into the digest
 SOURCES = [Path(__file__).with_name(f) for f in ("linear.cpp", "attention.cpp")]
 HEADERS = [Path(__file__).with_name("vexp.h")]  # included by the sources: in the digest too
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
+
+
+def cpu_isa() -> str:
+    """The CPU's vector ISA as PyTorch sees it ("avx512", "avx2", ...): part of every CPU
+    compile-cache namespace."""
+    try:
+        return torch.backends.cpu.get_cpu_capability().lower()
+    except Exception:  # older torch or unusual CPU
+        return "unknown"
 
 
 def cpu_supported() -> bool:
@@ -81,11 +98,6 @@ def kernel_entry() -> tuple[str, str, dict]:
     flags, in the digest), the CPU's ISA and architecture. The compiler that built it is recorded
     in the entry (``build.json``) but is not part of the key: a machine that pulls the library must
     find it without a compiler of its own."""
-    import platform
-
-    from nxdc.cache.keys import digest
-    from nxdc.compile.backends.inductor import cpu_isa
-
     parts = {
         "kind": "kernels",
         "sources": kernel_digest(),
@@ -123,9 +135,6 @@ def ensure_loaded(cache=None) -> bool:
             )
         status.update(ok=same, hit=True, reason="loaded from an export")
         return same
-    from nxdc.cache.store import CompileCache
-    from nxdc.errors import CacheError
-
     try:
         path, hit, reason = _cached_library(cache or CompileCache())
         _load(str(path), kernel_digest(), already=not hit)
@@ -142,11 +151,6 @@ def ensure_loaded(cache=None) -> bool:
 def _cached_library(cache) -> tuple[Path, bool, str]:
     """(library path, found in a cache, why): a cache hit or pull, else a build that is cached
     (and already loaded into this process by the build: torch's loader dlopens what it builds)."""
-    import shutil
-    import tempfile
-
-    from nxdc.errors import CacheError
-
     ns, key, parts = kernel_entry()
     found = cache.get(ns, key, parts)
     if found.path is not None:
@@ -190,8 +194,6 @@ def _build(d: Path) -> Path:
 
 
 def _compiler() -> str:
-    import subprocess
-
     cxx = os.environ.get("CXX", "c++")
     try:
         out = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
@@ -205,9 +207,6 @@ def load_export_library(export_dir: Path, digest: str, entry, verify: bool = Tru
     (``entry``: the manifest's ``FileRef`` to it, path and sha256), so an export runs with exactly its own kernels
     whatever nxdc version is installed, and a machine that only generates needs no compiler.
     Exports written before the copy existed load this nxdc's build if the digest matches."""
-    from nxdc.cache.keys import sha256_file
-    from nxdc.errors import ExportDirError
-
     if entry is not None:
         path = Path(export_dir) / entry.path
         if not path.is_file():

@@ -14,13 +14,12 @@
 // attends to cache slots 0 .. positions[b, t] (its own and every earlier position) and to nothing
 // else: softmax(q . k_s / sqrt(D)) over those slots, then the weighted sum of their v_s.
 //
-// Why not SDPA: PyTorch's CPU flash attention runs each tiny decode block through MKL's sgemm
-// (~55 us per layer at batch 1, ~180 us at batch 8 on our 2-core Zen 5), and reads every slot of
-// the bucket, masked or not. This reads only the slots a row attends to, once per KV head for
-// all of its query rows, and scores 8 keys at a time (8 independent FMA chains: one q . k chain
-// is latency-bound). A fresh prefill's mask is causal, so it skips the upper triangle as well:
-// SmolLM2, 512-token prompt, one layer on 2 Zen 4 threads, 3.1-3.6 ms against 5.1-6.2 ms for
-// causal GQA SDPA and 4.9-7.9 ms for the masked SDPA that prefill used before.
+// Why not SDPA: PyTorch's CPU flash attention runs each tiny decode block through MKL's sgemm,
+// which is slow at these sizes, and reads every slot of the bucket, masked or not. This reads
+// only the slots a row attends to, once per KV head for all of its query rows, and scores 8 keys
+// at a time (8 independent FMA chains: one q . k chain is latency-bound). A fresh prefill's mask
+// is causal, so it skips the upper triangle as well, which makes prefill faster than causal GQA
+// SDPA or masked SDPA (figures: docs/performance.md and bench/results/).
 //
 // Every row is computed by the same code in the same order whatever B, T, R, S or the thread
 // split, so a verify graph's row equals the decode graph's row bit for bit (greedy speculation
@@ -218,14 +217,10 @@ struct Next {
 // Memory traffic to overlap with the arithmetic of key block s0 (of n slots): the keys KEYS_AHEAD
 // blocks on, that block's values, which the weighted sums read after the scores, and this block's
 // share of the next task's keys and values, so that they are in L2 when it starts. Without it a
-// call read its cache, then computed: at batch 8, position 176 (Zen 4, 2 threads) one call took
-// 45 us with the cache in L2 / L3 and 117-131 us from memory. 30 such calls from memory, separate
-// processes alternated: fp16 cache 2.6-3.4 -> 1.5-2.0 ms, fp32 3.8-4.2 -> 3.4-4.6 ms (noisier;
-// median -7%). The keys ahead came later: the hardware prefetcher alone left the key pass
-// waiting on memory. 30 calls from memory, 30 rounds alternated in one process, medians of
-// the per-round ratios: batch 8, position 576, fp32 cache -17%, fp16 -5%; position 150 -19% /
-// -9%; batch 1, position 576 -21% / -13%; batch 1, position 150 within 2%. 2, 4, 8 or 16
-// blocks ahead did about the same for fp32 (fp16 best from 8); into L1 instead of L2, no gain.
+// call reads its cache, then computes, and a cache coming from memory rather than L2 / L3 costs
+// the whole read on top of the arithmetic. The keys run ahead because the hardware prefetcher
+// alone leaves the key pass waiting on memory; 2 to 16 blocks ahead do about the same (16-bit
+// caches best from 8), and prefetching into L1 instead of L2 gains nothing.
 // always_inline: gcc 12 otherwise emitted this function out of line with its prefetches removed.
 constexpr int64_t KEYS_AHEAD = 8;
 
@@ -275,7 +270,7 @@ NXDC_AVX2 void head(const float* q, const T* k, const T* v, float* out, const in
 
 // head() with rows taken two at a time where both reach a key block: the key and value vectors
 // are loaded once for the pair (the 32 registers of AVX-512VL hold both rows' accumulators).
-// Same bits as head(); a 512-token SmolLM2 prefill layer 1.1x faster than one row at a time.
+// Same bits as head(); faster than one row at a time on long prefills.
 template <typename T>
 NXDC_AVX512VL void head_pairs(const float* q, const T* k, const T* v, float* out, const int64_t* last, int64_t R,
                               int64_t D, float scale, std::vector<float>& scores, const Next<T>& nx) {
@@ -311,8 +306,8 @@ NXDC_AVX512VL void head_pairs(const float* q, const T* k, const T* v, float* out
 // Every (sequence, KV head) of the call in blocks of up to ROWS query rows, split across threads;
 // `tokens` positions per sequence. A block costs its rows' lengths, which grow along a prefill's
 // causal rows, so each thread takes every threads-th block (a contiguous split would give one
-// thread the long rows), and a prefill's 3 KV heads no longer leave one of 2 threads idle a third
-// of the time. Rows are independent: blocking changes no result.
+// thread the long rows); blocking also keeps a prefill's few KV heads (3 in SmolLM2) from leaving
+// one of 2 threads idle a third of the time. Rows are independent: blocking changes no result.
 constexpr int64_t ROWS = 32;
 
 template <typename T>

@@ -16,15 +16,13 @@
 // threads with at::parallel_for, and two software prefetch streams run ahead of the weights
 // (16 KiB into L2, 2 KiB into L1) except at M = 1 for fp32 / fp16 / bf16, which reads one row at
 // a time, a single linear stream that the hardware prefetcher follows.
-// M <= 8 is one pass that reads each weight once (memory-bound at M = 1, FMA-bound at M = 8 on
-// 2 Zen 5 cores); larger M runs passes of <= 6 rows (4 weight rows at a time; AVX2: <= 8) over
+// M <= 8 is one pass that reads each weight once (memory-bound at M = 1; at M = 8 the FMAs can
+// bound it instead); larger M runs passes of <= 6 rows (4 weight rows at a time; AVX2: <= 8) over
 // L2-sized tiles of weight rows, so weights still come from DRAM once. Per-row int8 scales
 // multiply the finished dot product; per-group scales multiply the converted weight vector
-// (exactly the fp32 q * s of the reference dequantisation). On AVX-512 this beats MKL's sgemm
-// (which takes its AVX2 path on AMD) at every M we measured, prefill included: SmolLM2 shapes,
-// M = 16..512, 1.3-3.8x on Zen 5 (8-row passes); on Zen 4, whose AVX-512 runs on 256-bit units,
-// 2.4 / 1.44 / 1.29x at M = 16 / 128 / 512 (bench/kernels.py, 4 x 6 passes; 8-row passes were
-// 1.8 / 1.17 / 0.97x).
+// (exactly the fp32 q * s of the reference dequantisation). With AVX-512 this kernel serves every
+// M, prefill included: it beats MKL's sgemm, which takes its AVX2 path on AMD CPUs. The
+// measurements behind the choices in this file: docs/performance.md and bench/results/.
 // AVX2-only CPUs, M > 32, where MKL's AVX2 sgemm wins: fp32 calls at::mm; the other formats
 // dequantise blocks of 64-256 weight rows per thread into a small fp32 scratch (never the whole
 // weight) and call at::mm on the block, writing a column slice of out.
@@ -122,10 +120,8 @@ struct Args {
 // Software prefetch, bytes ahead of the weight stream: one stream into L2 far ahead, one into L1
 // close ahead. At M = 8 the loop is compute-bound and the hardware prefetcher alone leaves memory
 // idle while the FMAs run; a prefetch far enough ahead lets memory and compute overlap. A single
-// L1 stream 8 KiB ahead did this on Zen 5 (SmolLM2 fp16 M=8 step 12.4 -> 7.5 ms against 512 B),
-// but on Zen 4 fp32 M=8 still took about memory time plus FMA time; the L2 stream overlaps them
-// (SmolLM2 fp32 M=8 step 32-38 -> 20-22 ms, f16 M=8 17.3 -> 15.1 ms, i8 M=1 6.9 -> 6.3 ms, the
-// rest within noise; bench/kernels.py shapes, 2 threads). The AVX2 path keeps one L1 stream.
+// L1 stream does not always suffice (on some CPUs fp32 at M = 8 still takes about memory time
+// plus FMA time); the far L2 stream overlaps the two. The AVX2 path keeps one L1 stream.
 constexpr int64_t PF_L2_BYTES = 16384;
 constexpr int64_t PF_L1_BYTES = 2048;
 constexpr int64_t PF_BYTES_AVX2 = 8192;
@@ -227,10 +223,9 @@ NXDC_AVX512 __attribute__((always_inline)) inline void step512(__m512 (&acc)[R][
     __m512 xv = _mm512_loadu_ps(x + m * K + k);
     // int8, M >= 4: keep xv in a register. Left alone, gcc folds the load into each of the R
     // FMAs (R loads of the same vector), and with the two int8 conversion ops per weight vector
-    // the loop then runs out of load/issue slots before FMA slots (SmolLM2 i8 step, M=8:
-    // 16.5 -> 14.7 ms, M=4: 9.2 -> 8.6 ms; for fp32 / fp16 / bf16 with 2 weight rows, and int8
-    // at M=1, pinning measured slower or the same). Every format's 3-row blocks (M = 7, 8) gain
-    // from it too: 2-5% off a SmolLM2 step's fp16 / bf16 matvecs (M = 5, 6: mixed, so not there).
+    // the loop then runs out of load/issue slots before FMA slots. Every format's 3-row blocks
+    // (M = 7, 8) gain from it too. Not pinned where it does not help: fp32 / fp16 / bf16 with
+    // 2 weight rows, int8 at M = 1, and fp16 / bf16 at M = 5, 6 (mixed results).
     if constexpr ((F == Fmt::I8 && M >= 4 && R > 1) || (R == 3 && M >= 7)) asm("" : "+v"(xv));
     for (int r = 0; r < R; ++r) acc[r][m] = _mm512_fmadd_ps(wv[r], xv, acc[r][m]);
   }
@@ -398,26 +393,19 @@ void block(const Args& a, int64_t n0, int64_t n1, bool wide) {
 
 // Weight rows [n0, n1) against a.x's first `rows` (1..8) activation rows; R (weight rows per
 // inner block) shrinks as M grows, keeping R * M accumulators within the register file.
-// At M = 1, fp32 / fp16 / bf16 read one row at a time: the weights are then one linear stream per
-// thread, which the hardware prefetcher alone follows best. Four rows at once with the software
-// prefetch streams were 5-16% slower, and four rows without them 35-85% slower (Zen 4, 2 threads,
-// the 121 matvecs of a SmolLM2 decode step, variants interleaved in one process: fp32
-// 16.3 -> 13.6 ms with the host reading 54 GB/s, 20.9 -> 18.6 ms at 33 GB/s; f16 10.7 -> 9.6 ms;
-// bf16 11.6 -> 11.2 ms; the AVX2 path alike, fp32 22.6 -> 18.6 ms). int8 keeps four rows: a row
-// is only 9 lines, and one row at a time was 33-80% slower (4.9 -> 6.5 ms).
+// At M = 1, fp32 / fp16 / bf16 read one row at a time: each thread's weights are then a single
+// linear stream, which the hardware prefetcher alone follows best; four-row blocks, with or
+// without the software prefetch streams, are slower here (on the AVX2 path too). int8 keeps four
+// rows: an int8 row is only a few cache lines, and one row at a time is much slower.
 //
 // With AVX-512, fp16 / bf16 at M >= 5 and int8 at M >= 3 take more weight rows per block (3-5,
 // up to 24 accumulators: fewer activation loads per FMA, as the prefill passes do). The
-// converted 16-bit and int8 weights make these rows FMA- and issue-bound, not memory-bound.
-// On Zen 4 with 2 threads, the 121 matvecs of a SmolLM2 step took 8-14% less time for
-// fp16 / bf16 at M = 5, 6 and 8 (4% at 7), and 3-12% less for int8 at M = 3..8 (interleaved in one
-// process, the same bits). fp32 takes them at M = 7, 8 only, where what bounds it depends on the
-// host: on a Zen 4 host that switches between a ~30 and a ~60 GB/s read rate, 3 rows against 2
-// took the 8-row matvecs of a step 8-9% less time in its fast state (FMA-bound: weights arrive
-// faster than 2-row blocks use them) and 3-4.5% more in its slow one (memory-bound), over 1,318 +
-// 565 + 1,033 fast and 182 + 635 + 467 slow rounds alternated in one process (docs/performance.md).
-// The fast state is where batch 8 is furthest from its targets, so it decides. At M = 5, 6 fp32
-// keeps R = 2 (0-5% slower with more rows, measured in one state).
+// converted 16-bit and int8 weights make these rows FMA- and issue-bound, not memory-bound, so
+// saving loads pays off (the bits are the same). fp32 takes them at M = 7, 8 only, where what
+// bounds it depends on the host's read rate: 3 rows against 2 is faster when weights arrive
+// faster than 2-row blocks use them (FMA-bound) and slightly slower when memory-bound. The fast
+// case is where batch 8 is furthest from its targets, so it decides. At M = 5, 6 fp32 keeps
+// R = 2 (more rows are not faster there). Figures: docs/performance.md.
 template <Fmt F>
 constexpr int64_t wide_rows_min() {
   return F == Fmt::I8 ? 3 : (F == Fmt::F32 ? 7 : 5);
@@ -449,11 +437,9 @@ void rows_block(const Args& a, int64_t rows, int64_t n0, int64_t n1, bool wide) 
 
 // One pass of a multi-pass call (M > 8): `rows` (4..8) activation rows against an L2-resident tile
 // of weight rows. With AVX-512, passes are at most 6 rows against 4 weight rows at a time (24
-// accumulators, 10 loads per 24 FMAs), which on Zen 4 runs the SmolLM2 layer shapes at M = 512
-// 1.3x faster than passes of 8 rows against 2 (141 -> 187 GFLOP/s, 2 threads; M = 24..128
-// 1.2-1.3x; fp16 / bf16 / int8 1.0-1.2x at M = 40 and 512). Weight x activation rows of 3 x 8,
-// 4 x 7, 6 x 4, 5 x 5 and 4 x 8 were slower; every variant gave the same bits, as each row's sum
-// does not depend on the tiling.
+// accumulators, 10 loads per 24 FMAs): faster than passes of 8 rows against 2, most of all where
+// AVX-512 runs on 256-bit units. Weight x activation rows of 3 x 8, 4 x 7, 6 x 4, 5 x 5 and 4 x 8
+// are slower. Every variant gives the same bits, as each row's sum does not depend on the tiling.
 template <Fmt F, Scale S>
 void pass_block(const Args& a, int64_t rows, int64_t n0, int64_t n1, bool wide) {
   if (wide) {
@@ -485,9 +471,8 @@ template <Fmt F>
 Plan plan(const Args& a, int64_t M) {
   constexpr int64_t SZ = sizeof(typename Store<F>::T);
   const int64_t K = a.K;
-  // (fp32 at M = 8 once ran as two passes of 4 rows over each L2-sized tile, which beat one pass
-  // of 8 with the L1-only prefetch; with the L2 stream one pass is faster: SmolLM2 fp32 M=8
-  // step 28.1 -> 20.5 ms on Zen 4.)
+  // M = 8 is one pass, fp32 included: with the L2 prefetch stream, one pass of 8 rows is faster
+  // than two passes of 4 over each L2-sized tile.
   const bool wide = has_avx512();
   const int64_t pass_rows = wide ? 6 : 8;
   const int64_t passes = M <= 8 ? 1 : (M + pass_rows - 1) / pass_rows;
@@ -556,8 +541,8 @@ Args row_slice(const Args& a, int64_t row0, int64_t n, float* dst) {
 // [2I, K] (model/fused.py's gate_up_proj). The threads split the I columns; each computes the gate
 // and the up rows of its own columns (the same sums as stream() gives them) into a scratch that
 // stays in its caches and applies silu * up there. With stream() and the SiLU in the compiled
-// graph, one thread ran the SiLU over rows the other had written, reading them core to core while
-// the other idled: a SmolLM2 batch-8 fp32 step spent ~0.65 ms of its ~20 ms there (perf).
+// graph instead, one thread runs the SiLU over rows another has written, reading them core to
+// core while the other idles.
 // At M <= 8 a thread's gate rows and up rows are two streams; larger M takes half an L2 tile of
 // each at a time.
 template <Fmt F, Scale S>
@@ -602,10 +587,9 @@ NXDC_AVX2 void dequant_rows(const Args& a, int64_t n0, int64_t rows, float* dst)
   }
 }
 
-// Up to how many activation rows the streaming kernel beats dequantise + at::mm. Measured on
-// Zen 5 (2 threads, SmolLM2 shapes): with AVX-512 the streaming kernel is ~2x faster than
-// at::mm (MKL takes its AVX2 path on AMD) at every M up to 1024 and beyond, so it is used for
-// any M (on Zen 4 it is at par with at::mm from M ~ 128); on the AVX2 path at::mm wins from M ~ 64.
+// Up to how many activation rows the streaming kernel beats dequantise + at::mm. With AVX-512 it
+// is at least as fast as at::mm (MKL takes its AVX2 path on AMD) at every M, so it takes any M;
+// on the AVX2 path at::mm wins from about M = 64.
 int64_t stream_rows_max() { return has_avx512() ? std::numeric_limits<int64_t>::max() : 32; }
 
 // M > stream_rows_max(): per thread, dequantise blocks of weight rows into a small fp32 scratch

@@ -17,8 +17,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from nxdc.model.layers import Linear, RMSNorm, apply_rope
-from nxdc.model.parallel import ShardLayout, all_reduce
+from nxdc.model.parallel import all_reduce
+from nxdc.model.sharding import HEAD_COLS, KV_HEADS, Q_HEADS, Part, ShardLayout
 from nxdc.spec import ModelSpec
+
+QKV = (Part("q_proj", Q_HEADS), Part("k_proj", KV_HEADS), Part("v_proj", KV_HEADS))
 
 
 class Attention(nn.Module):
@@ -42,8 +45,8 @@ class Attention(nn.Module):
         h, d, b = spec.hidden_size, spec.head_dim, spec.attention_bias
         self.splits = (self.n_heads * d, self.n_kv * d, self.n_kv * d)
         qkv_bias = b or spec.qkv_bias  # Qwen2: q/k/v biases, no o bias
-        self.qkv_proj = Linear(h, sum(self.splits), qkv_bias, dtype, device)  # q, k, v rows (model/fused.py)
-        self.o_proj = Linear(self.n_heads * d, h, b, dtype, device)
+        self.qkv_proj = Linear(h, sum(self.splits), qkv_bias, dtype, device, parts=QKV)  # model/fused.py
+        self.o_proj = Linear(self.n_heads * d, h, b, dtype, device, shard=HEAD_COLS)
         if spec.qk_norm:  # Qwen3: RMSNorm over head_dim of every q and k head, before RoPE
             self.q_norm = RMSNorm(d, spec.rms_norm_eps, dtype, device)
             self.k_norm = RMSNorm(d, spec.rms_norm_eps, dtype, device)

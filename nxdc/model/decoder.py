@@ -14,8 +14,36 @@ from torch import nn
 from nxdc.model.attention import Attention
 from nxdc.model.layers import MLP, Embedding, Linear, RMSNorm, rope_tables
 from nxdc.model.moe import MoE
-from nxdc.model.parallel import ShardLayout, all_gather_last, all_reduce, shard_layout
+from nxdc.model.parallel import all_gather_last, all_reduce
+from nxdc.model.sharding import VOCAB_ROWS, ShardLayout, shard_layout
 from nxdc.spec import ModelSpec
+
+# The names an export's weights and graphs use are the Decoder's own (graph constants carry the
+# wrappers' ``GRAPH_PREFIX``); the exporter and the runtime take them from here.
+GRAPH_PREFIX = "model."  # every graph wrapper holds the decoder as ``.model``
+TIED = {"lm_head.weight": "embed_tokens.weight", "lm_head.scale": "embed_tokens.scale"}  # int8: scales too
+
+
+def kv_cache_names(spec: ModelSpec) -> list[str]:
+    """The KV-cache buffers, two per layer (``Attention.k_cache`` / ``v_cache``)."""
+    return [f"layers.{i}.self_attn.{kind}" for i in range(spec.num_layers) for kind in ("k_cache", "v_cache")]
+
+
+def tie_lm_head(state: dict[str, torch.Tensor], rows=lambda t: t) -> None:
+    """Fill a tied lm_head (and its int8 scales) in ``state`` from the embedding; ``rows`` cuts
+    this rank's vocabulary rows out of it (tensor parallelism)."""
+    for head, embed in TIED.items():
+        if embed in state:
+            state[head] = rows(state[embed])
+
+
+def runtime_constants(spec: ModelSpec, max_seq: int, rank: int, tp: int, device) -> dict[str, torch.Tensor]:
+    """The non-persistent buffers a loaded graph is handed: rope tables, and this rank's index."""
+    cos, sin = rope_tables(spec, max_seq)
+    out = {"rope_cos": cos.to(device), "rope_sin": sin.to(device)}
+    if tp > 1:
+        out["tp_rank"] = torch.tensor([rank], dtype=torch.int64, device=device)
+    return out
 
 
 class DecoderLayer(nn.Module):
@@ -61,14 +89,14 @@ class Decoder(nn.Module):
     ):
         super().__init__()
         layout = layout or shard_layout(spec, 1)
-        self.spec, self.batch, self.max_seq, self.tp = spec, batch, max_seq, layout.tp
+        self.spec, self.batch, self.max_seq, self.tp, self.layout = spec, batch, max_seq, layout.tp, layout
         self.embed_tokens = Embedding(spec.vocab_size, spec.hidden_size, dtype, device)
         self.layers = nn.ModuleList(
             DecoderLayer(spec, layout, batch, max_seq, dtype, device, kv_dtype)
             for _ in range(spec.num_layers)
         )
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
-        self.lm_head = Linear(spec.hidden_size, layout.vocab, False, dtype, device)
+        self.lm_head = Linear(spec.hidden_size, layout.vocab, False, dtype, device, shard=VOCAB_ROWS)
         if weights is not None:  # --weights fp16 | bf16 | int8: stored formats (norms, routers: dtype)
             for name, m in self.named_modules():
                 if isinstance(m, (Linear, Embedding)) and not name.endswith("router"):
@@ -84,6 +112,16 @@ class Decoder(nn.Module):
             self.register_buffer(
                 "tp_rank", torch.zeros(1, dtype=torch.int64, device=device), persistent=False
             )
+
+    def stored_state(self) -> dict[str, torch.Tensor]:
+        """What an export writes for this rank: every weight, but not the KV caches (the runtime
+        allocates them: ``kv_cache_names``) nor a tied lm_head (sliced from the embedding when
+        loaded: ``tie_lm_head``). Rope tables and ``tp_rank`` are not persistent buffers."""
+        out = {n: t for n, t in self.state_dict().items() if n not in set(kv_cache_names(self.spec))}
+        if self.spec.tie_word_embeddings:
+            for name in TIED:
+                out.pop(name, None)
+        return out
 
     def forward(
         self,

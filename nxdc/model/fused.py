@@ -1,122 +1,114 @@
-"""Weights nxdc stores combined from several checkpoint tensors: a layer's q/k/v as one
+"""Where each checkpoint tensor goes in the model, and how it shards: read off the layers.
+
+nxdc stores some weights combined from several checkpoint tensors: a layer's q/k/v as one
 ``qkv_proj``, its gate/up as one ``gate_up_proj``, and a MoE layer's per-expert matrices
 stacked as ``experts.gate_up_proj [E, 2*I, hidden]`` and ``experts.down_proj [E, hidden, I]``.
+One matmul per group instead of three (two): fewer kernel calls per decode step, each streaming
+a bigger matrix, one wider GEMM at prefill; stacked experts let one grouped GEMM serve every
+expert (``model/moe.py``).
 
-One matmul per group instead of three (two): a SmolLM2 decode step makes 90 fewer kernel calls,
-each streams a bigger matrix, and prefill runs one wider GEMM; stacked experts let one
-grouped GEMM serve every expert (``model/moe.py``). Checkpoints name the parts; the exporter
-shards each part by its own rule (``nxdc.weights.shard``: per head, per MLP column) and
-``combine``s one rank's parts in index order: concatenated along rows, then viewed as
-[E, rows, cols] for stacked experts. So the split sizes in the model are that rank's part
-sizes."""
+The layers say which checkpoint parts make a combined weight and each part's sharding role
+(``Linear(parts=...)``, ``StackedWeight(parts=...)``; ``model/sharding.py``), and a plain weight's
+role (``Linear(shard=...)``). ``checkpoint_targets`` turns that into one ``Target`` per
+checkpoint name (in nxdc's module naming, as ``archs/`` maps it); the exporter cuts each
+tensor by its role (``weights/shard.py``) and ``combine``s one rank's parts in index order:
+concatenated along rows, then viewed as [E, rows, cols] for stacked experts."""
 
 from __future__ import annotations
 
-import re
 from typing import NamedTuple
 
 import torch
+from torch import nn
 
-from nxdc.model.parallel import ShardLayout
+from nxdc.model.layers import Linear
+from nxdc.model.moe import StackedWeight
+from nxdc.model.sharding import REPLICATED, ShardLayout, role_rows
 from nxdc.spec import ModelSpec
 
-# fused module (last two name components) -> its parts, in concatenation order
-GROUPS = {
-    ("self_attn", "qkv_proj"): ("q_proj", "k_proj", "v_proj"),
-    ("mlp", "gate_up_proj"): ("gate_proj", "up_proj"),
-}
-# stacked expert weight -> each expert's parts, in order (expert e's parts come before e+1's)
-EXPERT_GROUPS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
-_EXPERT_PART = re.compile(r"(?P<parent>.*\.experts)\.(?P<e>\d+)\.(?P<leaf>\w+)\.(?P<kind>\w+)")
+
+class Target(NamedTuple):
+    stored: str  # the stored parameter
+    role: str  # how this checkpoint tensor shards (model/sharding.py)
+    index: int = 0  # position among the stored parameter's parts
+    count: int = 1  # how many parts it has (1: stored as it is)
+    experts: int = 0  # > 0: it stacks this many experts [experts, rows, cols]
 
 
-class Part(NamedTuple):
-    target: str  # the stored parameter
-    index: int  # position among the target's parts
-    count: int  # how many parts the target has
-    experts: int = 0  # > 0: the target stacks this many experts [experts, rows, cols]
+def checkpoint_targets(model: nn.Module) -> dict[str, Target]:
+    """{checkpoint name: Target} for every weight of ``model`` (a ``Decoder``, on any device)."""
+    out: dict[str, Target] = {}
+    for mod_name, mod in model.named_modules():
+        prefix = f"{mod_name}." if mod_name else ""
+        own = {n for n, _ in mod.named_parameters(recurse=False)}
+        parts = getattr(mod, "parts", ())
+        parent = mod_name.rpartition(".")[0]
+        if isinstance(mod, StackedWeight):
+            n = len(parts)
+            for e in range(mod.experts):
+                for i, p in enumerate(parts):
+                    out[f"{parent}.{e}.{p.name}.weight"] = Target(
+                        f"{prefix}weight", p.role, e * n + i, n * mod.experts, mod.experts
+                    )
+            continue
+        for kind in sorted(own):
+            if parts and kind in ("weight", "bias"):
+                for i, p in enumerate(parts):
+                    out[f"{parent}.{p.name}.{kind}"] = Target(f"{prefix}{kind}", p.role, i, len(parts))
+            else:
+                role = mod.shard if isinstance(mod, Linear) else REPLICATED
+                out[f"{prefix}{kind}"] = Target(f"{prefix}{kind}", role)
+    return out
 
 
-def fused_target(name: str, num_experts: int = 0) -> Part | None:
-    """``layers.3.self_attn.k_proj.weight`` -> (``layers.3.self_attn.qkv_proj.weight``, 1, 3);
-    ``layers.3.mlp.experts.5.up_proj.weight`` -> (``layers.3.mlp.experts.gate_up_proj.weight``,
-    11, 2 * num_experts, num_experts); None for a weight that is stored as it is."""
-    m = _EXPERT_PART.fullmatch(name)
-    if m:
-        for target, parts in EXPERT_GROUPS.items():
-            if m["leaf"] in parts:
-                e, n = int(m["e"]), len(parts)
-                return Part(
-                    f"{m['parent']}.{target}.{m['kind']}",
-                    e * n + parts.index(m["leaf"]),
-                    n * num_experts,
-                    num_experts,
-                )
-        return None
-    module, _, kind = name.rpartition(".")
-    parent, _, leaf = module.rpartition(".")
-    block = parent.rpartition(".")[2]
-    for (fblock, fleaf), parts in GROUPS.items():
-        if block == fblock and leaf in parts:
-            return Part(f"{parent}.{fleaf}.{kind}", parts.index(leaf), len(parts))
-    return None
+def part_shape(
+    target: Target, spec: ModelSpec, layout: ShardLayout, stored: tuple[int, ...]
+) -> tuple[int, ...]:
+    """One part's shape under ``layout`` (tp 1: the checkpoint's) of a stored shape ``stored``."""
+    if target.experts:
+        return (stored[1] // (target.count // target.experts), *stored[2:])
+    if target.count > 1:
+        return (role_rows(target.role, spec, layout), *stored[1:])
+    return stored
 
 
-def part_shape(spec: ModelSpec, layout: ShardLayout, name: str, stored: tuple[int, ...]) -> tuple[int, ...]:
-    """The shape of one rank's part ``name`` of a stored tensor of shape ``stored``."""
-    part = fused_target(name, spec.num_experts)
-    if part is not None and part.experts:
-        per_expert = part.count // part.experts
-        return (stored[1] // per_expert, *stored[2:])
-    return (part_rows(spec, layout, name), *stored[1:])
-
-
-def part_rows(spec: ModelSpec, layout: ShardLayout, name: str) -> int:
-    """Output rows of one rank's part ``name`` (a q/k/v/gate/up weight or bias)."""
-    leaf = name.rpartition(".")[0].rpartition(".")[2]
-    if leaf == "q_proj":
-        return layout.heads * spec.head_dim
-    if leaf in ("k_proj", "v_proj"):
-        return layout.kv * spec.head_dim
-    return layout.intermediate
-
-
-def combine(part: Part, tensors: list[torch.Tensor]) -> torch.Tensor:
-    """A target's parts (in index order) -> the stored tensor."""
+def combine(target: Target, tensors: list[torch.Tensor]) -> torch.Tensor:
+    """A stored weight's parts (in index order) -> the stored tensor."""
     out = torch.cat(tensors)
-    return out.view(part.experts, -1, *out.shape[1:]) if part.experts else out
+    return out.view(target.experts, -1, *out.shape[1:]) if target.experts else out
 
 
-def fuse_state_dict(sd: dict, num_experts: int = 0) -> dict:
-    """An unsharded state dict in checkpoint (part) names -> nxdc's names, parts combined
+def fuse_state_dict(sd: dict, model: nn.Module) -> dict:
+    """An unsharded state dict in checkpoint (part) names -> ``model``'s names, parts combined
     (tests and tools that load a model in-process; the exporter fuses per rank)."""
+    targets = checkpoint_targets(model)
     out, parts = {}, {}
     for name, t in sd.items():
-        f = fused_target(name, num_experts)
-        if f is None:
-            out[name] = t
+        f = targets.get(name)
+        if f is None or f.count == 1:
+            out[f.stored if f else name] = t
         else:
-            parts.setdefault(f.target, (f, {}))[1][f.index] = t
+            parts.setdefault(f.stored, (f, {}))[1][f.index] = t
     for name, (f, got) in parts.items():
         out[name] = combine(f, [got[i] for i in sorted(got)])
     return out
 
 
-def unfuse_state_dict(sd: dict, spec: ModelSpec) -> dict:
+def unfuse_state_dict(sd: dict, model: nn.Module) -> dict:
     """The inverse of ``fuse_state_dict`` for q/k/v and gate/up, on a tp 1 export's weights
     (checkpoint part names again: ``nxdc bench --compare transformers`` rebuilds the HF model)."""
-    from nxdc.model.parallel import shard_layout
-
-    tp1 = shard_layout(spec, 1)
+    by_stored: dict[str, list[tuple[str, Target]]] = {}
+    for name, t in checkpoint_targets(model).items():
+        if t.count > 1 and not t.experts:
+            by_stored.setdefault(t.stored, []).append((name, t))
+    spec, tp1 = model.spec, model.layout
     out = {}
     for name, t in sd.items():
-        module, _, kind = name.rpartition(".")
-        parent, _, leaf = module.rpartition(".")
-        parts = GROUPS.get((parent.rpartition(".")[2], leaf))
-        if parts is None:
+        parts = sorted(by_stored.get(name, []), key=lambda p: p[1].index)
+        if not parts:
             out[name] = t
             continue
-        names = [f"{parent}.{p}.{kind}" for p in parts]
-        for part, piece in zip(names, t.split([part_rows(spec, tp1, n) for n in names]), strict=True):
+        rows = [role_rows(p.role, spec, tp1) for _, p in parts]
+        for (part, _), piece in zip(parts, t.split(rows), strict=True):
             out[part] = piece
     return out

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nxdc.model.sharding import MLP_COLS, MLP_ROWS, REPLICATED, Part
 from nxdc.spec import ModelSpec, RopeSpec
 
 
@@ -44,8 +45,20 @@ class Linear(nn.Module):
     kernels = False  # set per instance by the exporter / runtime builder (use_kernels)
     stored: str | None = None  # None: the weight is in the compute dtype
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype, device=None):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        dtype,
+        device=None,
+        shard: str = REPLICATED,
+        parts: tuple[Part, ...] = (),
+    ):
+        """``shard``: how the weight splits over ranks (``model/sharding.py``); ``parts``: the
+        checkpoint tensors a combined weight is made of, in row order, each with its own role."""
         super().__init__()
+        self.shard, self.parts = shard, parts
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device))
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)) if bias else None
 
@@ -120,6 +133,9 @@ def use_kernels(model: nn.Module, enabled: bool = True) -> None:
             m.kernels = enabled
 
 
+GATE_UP = (Part("gate_proj", MLP_ROWS), Part("up_proj", MLP_ROWS))
+
+
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)), gate and up as one matrix (``model/fused.py``);
     ``intermediate`` is this rank's share under tensor parallelism (the caller all-reduces the
@@ -129,8 +145,8 @@ class MLP(nn.Module):
         super().__init__()
         h, b = spec.hidden_size, spec.mlp_bias
         i = intermediate or spec.intermediate_size
-        self.gate_up_proj = Linear(h, 2 * i, b, dtype, device)
-        self.down_proj = Linear(i, h, b, dtype, device)
+        self.gate_up_proj = Linear(h, 2 * i, b, dtype, device, parts=GATE_UP)
+        self.down_proj = Linear(i, h, b, dtype, device, shard=MLP_COLS)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.gate_up_proj.swiglu(x))

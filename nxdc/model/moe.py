@@ -43,20 +43,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from nxdc.model.layers import Linear
-from nxdc.model.parallel import ShardLayout
+from nxdc.model.sharding import EXPERT_COLS, EXPERT_ROWS, Part, ShardLayout, expert_intermediate
 from nxdc.spec import ModelSpec
 
 
-def expert_intermediate(spec: ModelSpec, tp: int) -> int:
-    """One rank's share of each expert's intermediate size (zero-padded to a multiple of tp)."""
-    return -(-spec.moe_intermediate_size // tp)
-
-
 class StackedWeight(nn.Module):
-    """E matrices ``weight [E, out, in]``, one per expert."""
+    """E matrices ``weight [E, out, in]``, one per expert, each made of the checkpoint's
+    ``parts`` of that expert (in row order)."""
 
-    def __init__(self, experts: int, in_features: int, out_features: int, dtype, device=None):
+    def __init__(
+        self, experts: int, in_features: int, out_features: int, parts: tuple[Part, ...], dtype, device=None
+    ):
         super().__init__()
+        self.experts, self.parts = experts, parts
         self.weight = nn.Parameter(
             torch.empty(experts, out_features, in_features, dtype=dtype, device=device)
         )
@@ -65,8 +64,10 @@ class StackedWeight(nn.Module):
 class Experts(nn.Module):
     def __init__(self, experts: int, hidden: int, intermediate: int, dtype, device=None):
         super().__init__()
-        self.gate_up_proj = StackedWeight(experts, hidden, 2 * intermediate, dtype, device)
-        self.down_proj = StackedWeight(experts, intermediate, hidden, dtype, device)
+        gate_up = (Part("gate_proj", EXPERT_ROWS), Part("up_proj", EXPERT_ROWS))
+        self.gate_up_proj = StackedWeight(experts, hidden, 2 * intermediate, gate_up, dtype, device)
+        down = (Part("down_proj", EXPERT_COLS),)
+        self.down_proj = StackedWeight(experts, intermediate, hidden, down, dtype, device)
 
 
 class MoE(nn.Module):

@@ -16,16 +16,15 @@ from safetensors.torch import load_file
 
 from nxdc.cache.keys import sha256_file
 from nxdc.compile.backends import get_backend
-from nxdc.compile.trace import TORCH_DTYPES
 from nxdc.errors import ExportDirError
+from nxdc.kernels import load_export_library
 from nxdc.manifest import Manifest, load_manifest
-from nxdc.model.layers import rope_tables
-from nxdc.model.parallel import shard_layout
+from nxdc.model.decoder import GRAPH_PREFIX, kv_cache_names, runtime_constants, tie_lm_head
+from nxdc.model.dtypes import TORCH_DTYPES
+from nxdc.model.sharding import shard_layout
 from nxdc.runtime.arena import HostArena
 from nxdc.runtime.threads import apply_threads
 from nxdc.weights.shard import tied_lm_head
-
-PREFIX = "model."  # graph wrappers hold the decoder as `.model`
 
 
 class CompiledGraph:
@@ -80,8 +79,6 @@ class Session:
         self.device = self.plan.device
         backend = get_backend(self.plan.backend, self.device)
         if self.manifest.kernels:  # graphs call nxdc::linear_* / attend: load the library
-            from nxdc.kernels import load_export_library
-
             load_export_library(self.dir, self.manifest.kernels, self.manifest.kernel_library, verify)
         self.constants = self._constants()
         self.graphs: dict[str, CompiledGraph] = {}
@@ -113,35 +110,24 @@ class Session:
         s, p = self.spec, self.plan
         kv_shape = (p.batch_size, self.layout.kv, p.sequence_length, s.head_dim)  # as Attention's buffers
         kv_dtype = TORCH_DTYPES[p.kv_format]
-        kv_names = [
-            f"{PREFIX}layers.{i}.self_attn.{kind}"
-            for i in range(s.num_layers)
-            for kind in ("k_cache", "v_cache")
-        ]
+        kv_names = kv_cache_names(s)
         loaded = load_file(str(path), device=self.device)
         if torch.device(self.device).type == "cpu":  # weights + KV cache on huge pages (arena.py)
             self.arena = HostArena(
                 HostArena.bytes_for(loaded.values())
                 + HostArena.bytes_for([(kv_shape, kv_dtype)] * len(kv_names))
             )
-            consts = {PREFIX + k: self.arena.copy(v) for k, v in loaded.items()}
-            consts.update({n: self.arena.zeros(kv_shape, kv_dtype) for n in kv_names})
+            state = {k: self.arena.copy(v) for k, v in loaded.items()}
+            state.update({n: self.arena.zeros(kv_shape, kv_dtype) for n in kv_names})
         else:
             self.arena = None
-            consts = {PREFIX + k: v for k, v in loaded.items()}
-            consts.update({n: torch.zeros(kv_shape, dtype=kv_dtype, device=self.device) for n in kv_names})
+            state = dict(loaded)
+            state.update({n: torch.zeros(kv_shape, dtype=kv_dtype, device=self.device) for n in kv_names})
         del loaded  # drops the file mapping
-        if self.spec.tie_word_embeddings:
-            embed = consts[PREFIX + "embed_tokens.weight"]
-            consts[PREFIX + "lm_head.weight"] = tied_lm_head(embed, self.layout, self.rank)
-            if PREFIX + "embed_tokens.scale" in consts:  # --weights int8: the rows' scales too
-                scale = consts[PREFIX + "embed_tokens.scale"]
-                consts[PREFIX + "lm_head.scale"] = tied_lm_head(scale, self.layout, self.rank)
-        cos, sin = rope_tables(self.spec, self.plan.sequence_length)
-        consts[PREFIX + "rope_cos"], consts[PREFIX + "rope_sin"] = cos.to(self.device), sin.to(self.device)
-        if self.plan.tp > 1:
-            consts[PREFIX + "tp_rank"] = torch.tensor([self.rank], dtype=torch.int64, device=self.device)
-        return consts
+        if s.tie_word_embeddings:
+            tie_lm_head(state, lambda t: tied_lm_head(t, self.layout, self.rank))
+        state.update(runtime_constants(s, p.sequence_length, self.rank, p.tp, self.device))
+        return {GRAPH_PREFIX + k: v for k, v in state.items()}
 
     @property
     def batch_size(self) -> int:

@@ -7,28 +7,17 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from nxdc.archs import get_arch
+from nxdc.cache.keys import digest
+from nxdc.cache.store import default_root
 from nxdc.errors import UnsupportedError, UserInputError
-
-_LAYER = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_GLOBAL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-_SKIP = {"rope_freqs"}  # recomputed from the config
+from nxdc.weights.gguf_index import read_index
 
 
 def converted_metadata(path: Path, cache_root: Path | None = None) -> Path:
@@ -40,9 +29,6 @@ def converted_metadata(path: Path, cache_root: Path | None = None) -> Path:
     import shutil
     import tempfile
     from importlib.metadata import version
-
-    from nxdc.cache.keys import digest
-    from nxdc.cache.store import default_root
 
     st = path.stat()
     key = digest(
@@ -73,18 +59,6 @@ def converted_metadata(path: Path, cache_root: Path | None = None) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return d
-
-
-def hf_name(gguf_name: str) -> str | None:
-    base, _, suffix = gguf_name.rpartition(".")
-    if base in _SKIP:
-        return None
-    if base in _GLOBAL:
-        return f"{_GLOBAL[base]}.{suffix}"
-    m = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
-    if m and m.group(2) in _LAYER:
-        return f"model.layers.{m.group(1)}.{_LAYER[m.group(2)]}.{suffix}"
-    return None
 
 
 def unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -119,11 +93,11 @@ class GGUFTensor:
 
 
 def iter_gguf(path: Path, spec) -> Iterator[tuple[str, GGUFTensor]]:
-    from nxdc.weights.gguf_index import read_index
-
+    """(checkpoint name, tensor) for every weight of the file, named as the architecture's HF
+    checkpoints name them (``archs/``: ``gguf_name``)."""
+    arch = get_arch(spec.arch)
     for t in read_index(path):  # the tensor table only: ~0.03 s where GGUFReader takes seconds
-        name = hf_name(t.name)
+        name = arch.gguf_name(t.name)
         if name is None:
             continue
-        permuted = name.endswith(("q_proj.weight", "k_proj.weight"))
-        yield name, GGUFTensor(t, spec.head_dim if permuted else None)
+        yield name, GGUFTensor(t, spec.head_dim if arch.gguf_permuted(name) else None)

@@ -1,4 +1,5 @@
-"""Cut one rank's share out of a checkpoint tensor (see ``nxdc.model.parallel`` for the layout).
+"""Cut one rank's share out of a checkpoint tensor by the sharding role its layer declares
+(``nxdc.model.sharding``: the layout and the roles).
 
 Sources hand out ``LazyTensor``s; row-sharded weights (q/k/v/gate/up/lm_head) read only the
 row range their rank needs (safetensors ``get_slice``, GGUF quantized rows), column-sharded
@@ -12,8 +13,19 @@ from typing import Protocol
 
 import torch
 
-from nxdc.model.moe import expert_intermediate
-from nxdc.model.parallel import ShardLayout
+from nxdc.model.sharding import (
+    EXPERT_COLS,
+    EXPERT_ROWS,
+    HEAD_COLS,
+    KV_HEADS,
+    MLP_COLS,
+    MLP_ROWS,
+    Q_HEADS,
+    REPLICATED,
+    VOCAB_ROWS,
+    ShardLayout,
+    expert_intermediate,
+)
 from nxdc.spec import ModelSpec
 
 
@@ -71,35 +83,31 @@ def _cols_range(w: torch.Tensor, rank: int, per: int) -> torch.Tensor:
     return out
 
 
-def rank_tensor(name: str, t: LazyTensor, spec: ModelSpec, layout: ShardLayout, rank: int) -> torch.Tensor:
-    """Rank ``rank``'s tensor for the nxdc parameter ``name``."""
-    if layout.tp == 1:
+def rank_tensor(
+    role: str, kind: str, t: LazyTensor, spec: ModelSpec, layout: ShardLayout, rank: int
+) -> torch.Tensor:
+    """Rank ``rank``'s share of a checkpoint tensor whose layer gives it the sharding ``role``
+    (``model/sharding.py``); ``kind``: "weight", "bias", ..."""
+    if layout.tp == 1 or role == REPLICATED:
         return t.read()
     d = spec.head_dim
-    module, _, kind = name.rpartition(".")
-    leaf = module.rpartition(".")[2]
-    if ".experts." in name:  # one expert's part: sharded over the expert intermediate size
-        per = expert_intermediate(spec, layout.tp)
-        if leaf in ("gate_proj", "up_proj"):
-            return _rows_range(t, rank, per)
-        if leaf == "down_proj":
-            return _cols_range(t.read(), rank, per)
-    if leaf == "q_proj":
+    if role == Q_HEADS:
         return _rows_by_heads(t, layout.q_heads[rank], d)
-    if leaf in ("k_proj", "v_proj"):
+    if role == KV_HEADS:
         return _rows_by_heads(t, layout.kv_heads[rank], d)
-    if leaf in ("gate_proj", "up_proj"):
-        return _rows_range(t, rank, layout.intermediate)
-    if name == "lm_head.weight":
-        return _rows_range(t, rank, layout.vocab)
-    if leaf in ("o_proj", "down_proj"):
-        full = t.read()
-        if kind == "bias":  # row-parallel: added once, by rank 0, before the all-reduce
-            return full if rank == 0 else torch.zeros_like(full)
-        if leaf == "o_proj":
-            return _cols_by_heads(full, layout.q_heads[rank], d)
+    if role in (MLP_ROWS, VOCAB_ROWS, EXPERT_ROWS):
+        per = {MLP_ROWS: layout.intermediate, VOCAB_ROWS: layout.vocab}.get(role)
+        return _rows_range(t, rank, per or expert_intermediate(spec, layout.tp))
+    full = t.read()
+    if kind == "bias":  # row-parallel: added once, by rank 0, before the all-reduce
+        return full if rank == 0 else torch.zeros_like(full)
+    if role == HEAD_COLS:
+        return _cols_by_heads(full, layout.q_heads[rank], d)
+    if role == MLP_COLS:
         return _cols_range(full, rank, layout.intermediate)
-    return t.read()  # embedding, norms: replicated
+    if role == EXPERT_COLS:
+        return _cols_range(full, rank, expert_intermediate(spec, layout.tp))
+    raise ValueError(f"unknown sharding role {role!r}")
 
 
 def tied_lm_head(embed: torch.Tensor, layout: ShardLayout, rank: int) -> torch.Tensor:

@@ -14,15 +14,9 @@ import torch
 
 from nxdc.compile.backends import check_device
 from nxdc.errors import UserInputError
+from nxdc.kernels import cpu_isa
 
 ARTIFACT = "model.pt2"
-
-
-def cpu_isa() -> str:
-    try:
-        return torch.backends.cpu.get_cpu_capability().lower()
-    except Exception:  # older torch or unusual CPU
-        return "unknown"
 
 
 def extra_configs() -> dict[str, Any]:

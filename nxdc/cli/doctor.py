@@ -1,0 +1,34 @@
+"""`nxdc doctor`: which backends, devices and caches this host can use."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+from nxdc.cli.common import cli_errors, print_json
+
+out_console = Console(highlight=False, soft_wrap=True)
+
+
+@cli_errors
+def doctor(
+    cache_dir: Path = typer.Option(
+        None, "--cache-dir", envvar="NXDC_CACHE_DIR", help="Compile cache directory."
+    ),
+    json_out: bool = typer.Option(False, "--json", help="Print the checks as JSON on stdout."),
+    verbose: bool = typer.Option(False, "-v", "--verbose", help="Tracebacks on errors."),
+) -> None:
+    """Report what this host can use: torch, CPU ISA, the CPU kernels' build state, each backend
+    and device, the serve extra and the compile cache, one line each (builds and contacts nothing)."""
+    from nxdc.doctor import as_json, checks
+
+    results = checks(cache_dir)
+    if json_out:
+        print_json(as_json(results))
+    else:
+        for c in results:
+            mark = "[green]ok[/]  " if c.ok else "[yellow]no[/]  "
+            out_console.print(f"{mark}{c.name}: {escape(c.detail)}", soft_wrap=True, highlight=False)
