@@ -117,7 +117,8 @@ class Decoder(nn.Module):
         """What an export writes for this rank: every weight, but not the KV caches (the runtime
         allocates them: ``kv_cache_names``) nor a tied lm_head (sliced from the embedding when
         loaded: ``tie_lm_head``). Rope tables and ``tp_rank`` are not persistent buffers."""
-        out = {n: t for n, t in self.state_dict().items() if n not in set(kv_cache_names(self.spec))}
+        runtime = set(kv_cache_names(self.spec))
+        out = {n: t for n, t in self.state_dict().items() if n not in runtime}
         if self.spec.tie_word_embeddings:
             for name in TIED:
                 out.pop(name, None)
