@@ -18,7 +18,8 @@ import torch
 import nxdc
 from nxdc.cache.remotes import configured_remote
 from nxdc.cache.store import default_root
-from nxdc.compile.backends.neuron import INSTALL, REQUIRED
+from nxdc.compile.backends.neuron import INSTALL, PACKAGES, missing_packages
+from nxdc.compile.backends.xla import INSTALL as XLA_INSTALL
 from nxdc.kernels import LIBRARY, cpu_isa, cpu_supported, disabled, kernel_entry
 
 
@@ -70,21 +71,24 @@ def checks(cache_dir: Path | None = None) -> list[Check]:
     xla = _version("torch-xla") or _version("torch_xla")
     out.append(
         Check(
-            "torch-xla",
+            "backend xla",
             xla is not None,
-            f"{xla} installed (nxdc has no xla backend yet)" if xla else "not installed (no xla backend yet)",
+            f"torch-xla {xla}: --backend xla runs on XLA:CPU (tp 1)"
+            if xla
+            else f"torch-xla not installed (torch {torch.__version__}): {XLA_INSTALL}",
         )
     )
-    missing = [m for m in REQUIRED if importlib.util.find_spec(m) is None]
+    missing = missing_packages()
     if missing:
         out.append(Check("backend neuron", False, f"missing {', '.join(missing)}: {INSTALL}"))
     else:
-        versions = ", ".join(f"{m} {_version(m.replace('_', '-')) or '?'}" for m in REQUIRED)
+        versions = ", ".join(f"{p} {_version(p) or '?'}" for p in PACKAGES)
         out.append(
             Check(
                 "backend neuron",
-                False,
-                f"Neuron SDK found ({versions}); compiling for Neuron is not implemented yet",
+                True,
+                f"Neuron SDK found ({versions}); export with --device trn1 | trn2 | inf2 "
+                "(this backend has never run: docs/neuron.md)",
             )
         )
     serve = [d for d in ("starlette", "uvicorn", "prometheus-client") if _version(d) is None]

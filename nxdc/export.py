@@ -21,17 +21,15 @@ import nxdc
 from nxdc.archs import get_arch, spec_from_config
 from nxdc.cache.keys import digest, sha256_file
 from nxdc.cache.registry import record_export
-from nxdc.cache.store import CompileCache
+from nxdc.cache.store import CompileCache, entry_files
 from nxdc.compile.backends import get_backend
 from nxdc.compile.buckets import Bucket
 from nxdc.compile.graph_keys import key_parts, namespace
 from nxdc.compile.trace import (
     build_decoder,
-    fake_process_group,
     input_specs,
     meta_decoder,
     rank_weight_bytes,
-    trace,
     wants_kernels,
     weight_bytes,
 )
@@ -167,9 +165,10 @@ def compile_bucket(
     bucket: Bucket,
     kernels: str | None,
     decoder_factory,
-    dest: Path,
-) -> BucketResult:
-    """Cache hit: copy the artifact. Miss: trace + compile under a per-key lock, then cache it."""
+    export_dir: Path,
+) -> tuple[BucketResult, dict[str, FileRef]]:
+    """Cache hit: copy the entry's files. Miss: build (trace + compile) under a per-key lock,
+    then cache it. Returns the files as the export holds them, by their name in the entry."""
     t0 = time.perf_counter()
     parts = key_parts(spec, plan, bucket, backend, kernels)
     key, ns = digest(parts), namespace(backend)
@@ -183,15 +182,18 @@ def compile_bucket(
                 found, hit, reason = again, True, "hit (built concurrently)"
             else:
                 tmp_dir = tempfile.TemporaryDirectory(prefix="nxdc-compile-", dir=cache.root)
-                with tmp_dir as tmp, fake_process_group(plan.tp):
-                    ep = trace(
-                        decoder_factory(), bucket, plan.batch_size, plan.device, plan.speculation_length
-                    )
-                    backend.compile(ep, Path(tmp), bucket.kind)
+                with tmp_dir as tmp:
+                    backend.build(decoder_factory(), bucket, plan, Path(tmp))
                     found.path = cache.put(ns, key, parts, Path(tmp))
-    # a copy, not a hard link: the export dir must not share bytes with the cache entry
-    shutil.copyfile(found.path / backend.artifact, dest)
-    return BucketResult(bucket.name, key, hit, reason, time.perf_counter() - t0)
+    files = {}
+    for name in entry_files(found.path):
+        rel = backend.export_path(bucket.name, name)
+        dest = export_dir / rel
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        # a copy, not a hard link: the export dir must not share bytes with the cache entry
+        shutil.copyfile(found.path / name, dest)
+        files[name] = FileRef(path=rel, bytes=dest.stat().st_size, sha256=sha256_file(dest))
+    return BucketResult(bucket.name, key, hit, reason, time.perf_counter() - t0), files
 
 
 def run_export(
@@ -214,7 +216,6 @@ def run_export(
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         (tmp / "weights").mkdir()
-        (tmp / "artifacts").mkdir()
         weights = {}
         with rep.stage("weights", total=plan.tp):
             for rank in range(plan.tp):
@@ -240,15 +241,12 @@ def run_export(
         with rep.stage("compile", total=len(plan.buckets)):
             for bucket in plan.buckets:
                 rep.bucket_start(bucket.name)
-                dest = tmp / "artifacts" / f"{bucket.name}.pt2"
-                br = compile_bucket(cache, backend, spec, plan, bucket, kernels, factory, dest)
+                br, files = compile_bucket(cache, backend, spec, plan, bucket, kernels, factory, tmp)
                 rep.bucket_done(br.name, br.hit, br.reason, br.seconds)
                 result.buckets.append(br)
                 artifacts[bucket.name] = Artifact(
-                    path=f"artifacts/{dest.name}",
+                    files=files,
                     key=br.key,
-                    sha256=sha256_file(dest),
-                    bytes=dest.stat().st_size,
                     inputs=tuple(input_specs(bucket, plan.batch_size, plan.speculation_length)),
                 )
         with rep.stage("write"):

@@ -29,14 +29,17 @@ class FileRef:
 
 @dataclass(frozen=True)
 class Artifact:
-    """One compiled graph: its file, its compile-cache key and the inputs it was traced with
-    (all int64, contiguous; the runtime feeds exactly these shapes)."""
+    """One compiled graph: its files (what the backend wrote: an AOTInductor package, or a
+    StableHLO program and its signature, ...), its compile-cache key and the inputs it was traced
+    with (all int64, contiguous; the runtime feeds exactly these shapes)."""
 
-    path: str
+    files: dict[str, FileRef]  # by the name the backend gave it in the cache entry
     key: str
-    sha256: str
-    bytes: int
     inputs: tuple[tuple[str, tuple[int, ...]], ...]
+
+    @property
+    def bytes(self) -> int:
+        return sum(f.bytes for f in self.files.values())
 
     @property
     def shapes(self) -> list[tuple[int, ...]]:
@@ -74,7 +77,11 @@ class Manifest:
             "weights": {r: vars(f) for r, f in self.weights.items()},
             "kernels": self.kernels,
             "artifacts": {
-                n: {**vars(a), "inputs": [[name, list(shape)] for name, shape in a.inputs]}
+                n: {
+                    "key": a.key,
+                    "files": {name: vars(f) for name, f in a.files.items()},
+                    "inputs": [[name, list(shape)] for name, shape in a.inputs],
+                }
                 for n, a in self.artifacts.items()
             },
             "idle_rows": self.idle_rows,
@@ -97,10 +104,8 @@ class Manifest:
             weights={r: FileRef(**f) for r, f in d["weights"].items()},
             artifacts={
                 n: Artifact(
-                    path=a["path"],
+                    files={name: FileRef(**f) for name, f in _artifact_files(a).items()},
                     key=a["key"],
-                    sha256=a["sha256"],
-                    bytes=a["bytes"],
                     inputs=tuple((name, tuple(shape)) for name, shape in a["inputs"]),
                 )
                 for n, a in d["artifacts"].items()
@@ -113,6 +118,14 @@ class Manifest:
 
     def write(self, export_dir: Path) -> None:
         (Path(export_dir) / MANIFEST).write_text(json.dumps(self.to_dict(), indent=1))
+
+
+def _artifact_files(a: dict[str, Any]) -> dict[str, Any]:
+    """An artifact's files; exports of nxdc 0.1 before several files per bucket held one
+    AOTInductor package as ``path`` / ``sha256`` / ``bytes``."""
+    if "files" in a:
+        return a["files"]
+    return {"model.pt2": {"path": a["path"], "sha256": a["sha256"], "bytes": a["bytes"]}}
 
 
 def load_manifest(export_dir: str | Path) -> Manifest:

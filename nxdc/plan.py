@@ -20,7 +20,11 @@ from nxdc.spec import ModelSpec
 DTYPES = ("fp32", "bf16")
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 KV_FORMATS = ("fp32", "fp16", "bf16")
-BACKENDS = ("inductor", "neuron")
+BACKENDS = ("inductor", "xla", "neuron")
+# How each backend's graphs write the KV cache (the first is its default): ``in-place`` with
+# ``index_copy_`` on the cache buffers; ``functional``: the new cache is re-assigned and handed
+# back by the graph (ModelBuilder and XLA alias it to the input; inductor copies it back).
+KV_UPDATES = {"inductor": ("in-place", "functional"), "xla": ("functional",), "neuron": ("functional",)}
 # ExportOptions that hold a list of integers (comma-separated on the command line)
 LIST_OPTIONS = ("context_buckets", "decode_buckets", "chunk_buckets", "decode_batch_sizes")
 
@@ -48,6 +52,7 @@ class ExportOptions:
     chunk_buckets: tuple[int, ...] | None = None
     # decode graphs that step only this many of the batch's rows (fewer busy rows: cheaper steps)
     decode_batch_sizes: tuple[int, ...] | None = None
+    kv_update: str | None = None  # in-place | functional (default: the backend's, KV_UPDATES)
 
     @classmethod
     def fields(cls) -> set[str]:
@@ -67,6 +72,7 @@ class ExportPlan:
     source_num_layers: int | None = None  # set when --num-layers truncated the model
     weights: str | None = None  # None: stored in ``dtype``
     kv_cache: str | None = None  # None: stored in ``dtype``
+    kv_update: str | None = None  # "functional": graphs return their new KV caches (None: in place)
 
     @property
     def weight_format(self) -> str:
@@ -156,6 +162,7 @@ def make_plan(spec: ModelSpec, opts: ExportOptions) -> ExportPlan:
         raise UserInputError(f"--dtype must be one of {', '.join(DTYPES)} (got {opts.dtype!r})")
     if opts.backend not in BACKENDS:
         raise UserInputError(f"--backend must be one of {', '.join(BACKENDS)} (got {opts.backend!r})")
+    kv_update = _kv_update(opts)
     why = check_tp(spec, opts.tp)
     if why:
         raise UnsupportedError(why)
@@ -217,7 +224,25 @@ def make_plan(spec: ModelSpec, opts: ExportOptions) -> ExportPlan:
         weights=weights,
         kv_cache=stored_kv_cache(opts.kv_cache, weights, opts.dtype),
         source_num_layers=spec.num_layers if opts.num_layers else None,
+        kv_update=None if kv_update == "in-place" else kv_update,
     )
+
+
+def _kv_update(opts: ExportOptions) -> str:
+    allowed = KV_UPDATES[opts.backend]
+    mode = opts.kv_update or allowed[0]
+    if mode not in allowed:
+        raise UserInputError(
+            f"--kv-update {mode}: the {opts.backend} backend writes the KV cache {' or '.join(allowed)}"
+        )
+    if opts.backend == "xla" and opts.tp > 1:
+        raise UnsupportedError(
+            "--backend xla runs on torch-xla's CPU client, one device: tensor parallelism (--tp "
+            f"{opts.tp}) is not supported there; use --tp 1, or --backend inductor for --tp > 1"
+        )
+    if opts.backend == "xla" and opts.device != "cpu":
+        raise UserInputError(f"--backend xla runs on XLA:CPU: use --device cpu (got {opts.device!r})")
+    return mode
 
 
 def _serving_buckets(opts: ExportOptions, dec: list[int]) -> list[Bucket]:

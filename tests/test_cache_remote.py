@@ -687,7 +687,7 @@ def test_machine_b_exports_with_zero_compiles(
     assert {x["reason"] for x in summary["buckets"]} == {f"pulled from remote {remote.url}"}
     a_art = json.loads((tiny_gqa_export / "nxdc.json").read_text())["artifacts"]
     b_art = json.loads((out / "nxdc.json").read_text())["artifacts"]
-    assert {n: x["sha256"] for n, x in a_art.items()} == {n: x["sha256"] for n, x in b_art.items()}
+    assert {n: x["files"] for n, x in a_art.items()} == {n: x["files"] for n, x in b_art.items()}
     assert cli_json("cache", "verify", "--cache-dir", b)["ok"] == 4
 
     # B's own registry now records the export: lookup answers locally too

@@ -90,7 +90,7 @@ def test_hub_id_offline_not_cached(tmp_path, monkeypatch):
         (["--sequence-length", "128", "--max-context-length", "256"], "exceeds --sequence-length"),
         (["--context-buckets", "16,x"], "comma-separated integers"),
         (["--tp", "8"], "exceeds the model's 4 attention heads"),
-        (["--backend", "neuron"], "from AWS's own package repository"),
+        (["--backend", "neuron"], "torch-neuronx==2.9.0.2.15.32035"),
         (["--backend", "tpu"], "--backend must be one of"),
         (["--device", "cuda"], "no CUDA device"),
     ],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -28,8 +29,10 @@ def test_doctor_reports_this_machine(tmp_path):
     assert f"ISA {cpu_isa()}" in c["cpu"]["detail"]
     assert c["backend inductor/cpu"]["ok"]
     assert c["backend inductor/cuda"]["ok"] == torch.cuda.is_available()
+    has_xla = importlib.util.find_spec("torch_xla") is not None
+    assert c["backend xla"]["ok"] == has_xla and (has_xla or "make test-xla" in c["backend xla"]["detail"])
     neuron = c["backend neuron"]
-    assert not neuron["ok"] and "torch_neuronx" in neuron["detail"] and "pip.repos.neuron" in neuron["detail"]
+    assert not neuron["ok"] and "torch-neuronx" in neuron["detail"] and "pip.repos.neuron" in neuron["detail"]
     assert c["cpu kernels"]["ok"] and "not built yet" in c["cpu kernels"]["detail"]
     assert str(tmp_path / "cache") in c["cache"]["detail"] and "no remote" in c["cache"]["detail"]
     assert not (tmp_path / "cache").exists()  # doctor creates nothing

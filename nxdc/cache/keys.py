@@ -19,13 +19,16 @@ def digest(obj: Any) -> str:
 
 @cache
 def model_code_digest() -> str:
-    """Hash of the sources that define the traced graphs (model code, tracing, the inductor
-    backend): changing them invalidates every cached artifact; other code does not."""
+    """Hash of the sources that define the traced graphs (model code, tracing): changing them
+    invalidates every cached artifact; other code does not. Each backend adds its own module's
+    hash (``source_digest``) to its key parts."""
     root = Path(__file__).resolve().parent.parent
-    files = sorted((root / "model").rglob("*.py")) + [
-        root / "compile" / "trace.py",
-        root / "compile" / "backends" / "inductor.py",
-    ]
+    return source_digest(*sorted((root / "model").rglob("*.py")), root / "compile" / "trace.py")
+
+
+@cache
+def source_digest(*files: Path) -> str:
+    root = Path(__file__).resolve().parent.parent
     h = hashlib.sha256()
     for f in files:
         h.update(f.relative_to(root).as_posix().encode())

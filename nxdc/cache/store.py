@@ -131,4 +131,9 @@ def verify_entry(d: Path) -> str | None:
     return None if meta.get("files") else "no files recorded"
 
 
-__all__ = ["CompileCache", "Lookup", "default_root", "verify_entry", "canonical"]
+def entry_files(d: Path) -> list[str]:
+    """The names of an entry's files (what the backend wrote), as its meta.json records them."""
+    return sorted(json.loads((d / "meta.json").read_text())["files"])
+
+
+__all__ = ["CompileCache", "Lookup", "default_root", "verify_entry", "entry_files", "canonical"]

@@ -159,6 +159,7 @@ def pull(
     chunk_buckets: str = O.CHUNK_BUCKETS,
     decode_batch_sizes: str = O.DECODE_BATCH_SIZES,
     backend: str = O.BACKEND,
+    kv_update: str = O.KV_UPDATE,
     device: str = O.DEVICE,
     remote: str = REMOTE,
     cache_dir: Path = CACHE_DIR,

@@ -39,6 +39,7 @@ def export(
     chunk_buckets: str = O.CHUNK_BUCKETS,
     decode_batch_sizes: str = O.DECODE_BATCH_SIZES,
     backend: str = O.BACKEND,
+    kv_update: str = O.KV_UPDATE,
     device: str = O.DEVICE,
     cache_dir: Path = typer.Option(
         None, "--cache-dir", envvar="NXDC_CACHE_DIR", help="Compile cache directory."

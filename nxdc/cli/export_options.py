@@ -55,8 +55,17 @@ DECODE_BATCH_SIZES = typer.Option(
     "--decode-batch-sizes",
     help="Also decode graphs stepping only this many batch rows, e.g. 1 (cheaper steps when few are busy).",
 )
-BACKEND = typer.Option(None, "--backend", help="inductor | neuron. \\[default: inductor]")
-DEVICE = typer.Option(None, "--device", help="cpu | cuda[:N] (inductor backend). \\[default: cpu]")
+BACKEND = typer.Option(
+    None, "--backend", help="inductor | xla | neuron (docs/backends.md). \\[default: inductor]"
+)
+KV_UPDATE = typer.Option(
+    None,
+    "--kv-update",
+    help="How graphs write the KV cache: in-place | functional (xla and neuron: functional only). \\[default: the backend's]",
+)
+DEVICE = typer.Option(
+    None, "--device", help="cpu | cuda[:N] (inductor); cpu (xla); trn1 | trn2 | inf2 (neuron). \\[default: cpu]"
+)
 
 
 def export_options(preset: dict, flags: dict):

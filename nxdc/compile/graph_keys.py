@@ -30,6 +30,7 @@ def key_parts(
         "dtype": plan.dtype,
         **({"weights": plan.weights} if plan.weights else {}),
         **({"kv_cache": plan.kv_cache} if plan.kv_cache else {}),
+        **({"kv_update": plan.kv_update} if plan.kv_update else {}),
         "tp": plan.tp,
         **({"speculation_length": plan.speculation_length} if bucket.kind == "verify" else {}),
         "code": model_code_digest(),

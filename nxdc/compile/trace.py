@@ -12,7 +12,8 @@ import torch
 
 from nxdc.compile.buckets import Bucket
 from nxdc.kernels import cpu_supported, disabled, ensure_loaded
-from nxdc.model.decoder import ContextEncoding, Decoder, RowPrefill, TokenGeneration, Verify
+from nxdc.model.attention import use_functional_kv
+from nxdc.model.decoder import ContextEncoding, Decoder, FunctionalKV, RowPrefill, TokenGeneration, Verify
 from nxdc.model.dtypes import TORCH_DTYPES
 from nxdc.model.layers import use_kernels
 from nxdc.model.sharding import shard_layout
@@ -38,12 +39,20 @@ def meta_decoder(spec: ModelSpec, plan: ExportPlan) -> Decoder:
 def build_decoder(spec: ModelSpec, plan: ExportPlan, kernels: bool = False) -> Decoder:
     model = meta_decoder(spec, plan).to_empty(device=plan.device).eval()
     use_kernels(model, kernels)
+    use_functional_kv(model, plan.kv_update == "functional")
     return model
 
 
 def kernels_apply(plan: ExportPlan) -> bool:
-    """nxdc's CPU kernels are for fp32 on CPU, on CPUs with AVX2/FMA, unless disabled."""
-    return plan.device == "cpu" and plan.dtype == "fp32" and cpu_supported() and not disabled()
+    """nxdc's CPU kernels are for fp32 inductor graphs on CPU, on CPUs with AVX2/FMA, unless
+    disabled."""
+    return (
+        plan.backend == "inductor"
+        and plan.device == "cpu"
+        and plan.dtype == "fp32"
+        and cpu_supported()
+        and not disabled()
+    )
 
 
 def wants_kernels(plan: ExportPlan, cache=None) -> bool:
@@ -52,14 +61,26 @@ def wants_kernels(plan: ExportPlan, cache=None) -> bool:
     return kernels_apply(plan) and ensure_loaded(cache)
 
 
-def graph_for(model: Decoder, bucket: Bucket, speculation: int = 0) -> torch.nn.Module:
+def graph_for(
+    model: Decoder, bucket: Bucket, speculation: int = 0, return_kv: bool | None = None
+) -> torch.nn.Module:
+    """The bucket's graph; with functional KV writes it also returns the new caches, unless
+    ``return_kv`` is False (NxD's ModelBuilder aliases re-assigned buffers itself)."""
     if bucket.kind == "context":
-        return ContextEncoding(model)
-    if bucket.kind == "verify":
-        return Verify(model, bucket.length, speculation)
-    if bucket.kind == "chunk":
-        return RowPrefill(model, bucket.length)
-    return TokenGeneration(model, bucket.length)
+        graph = ContextEncoding(model)
+    elif bucket.kind == "verify":
+        graph = Verify(model, bucket.length, speculation)
+    elif bucket.kind == "chunk":
+        graph = RowPrefill(model, bucket.length)
+    else:
+        graph = TokenGeneration(model, bucket.length)
+    if return_kv is None:
+        return_kv = functional_kv(model)
+    return FunctionalKV(graph) if return_kv else graph
+
+
+def functional_kv(model: Decoder) -> bool:
+    return bool(model.layers) and model.layers[0].self_attn.functional_kv
 
 
 def input_specs(bucket: Bucket, batch: int, speculation: int = 0) -> list[tuple[str, tuple[int, ...]]]:
@@ -77,13 +98,17 @@ def input_specs(bucket: Bucket, batch: int, speculation: int = 0) -> list[tuple[
     return [("input_ids", (batch, 1)), ("positions", (batch,))]
 
 
-def trace(
-    model: Decoder, bucket: Bucket, batch: int, device: str, speculation: int = 0
-) -> torch.export.ExportedProgram:
-    args = tuple(
+def example_inputs(bucket: Bucket, batch: int, device: str, speculation: int = 0) -> tuple[torch.Tensor, ...]:
+    return tuple(
         torch.zeros(shape, dtype=torch.int64, device=device)
         for _, shape in input_specs(bucket, batch, speculation)
     )
+
+
+def trace(
+    model: Decoder, bucket: Bucket, batch: int, device: str, speculation: int = 0
+) -> torch.export.ExportedProgram:
+    args = example_inputs(bucket, batch, device, speculation)
     with torch.no_grad(), fake_process_group(model.tp):
         return torch.export.export(graph_for(model, bucket, speculation), args, strict=False)
 

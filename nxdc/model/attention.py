@@ -8,6 +8,10 @@ rows they work on (``rows``), and a token that is not ``keep`` (an idle batch ro
 chunk's padding) writes back the bytes its slot already holds: the cache is left as it was. Queries are regrouped as
 ``[batch, kv_heads, group * T, head_dim]`` so every KV head serves its query group without
 expanding the cache (no ``repeat_interleave``).
+
+``functional_kv`` (set by ``use_functional_kv``): the write is out of place (``index_copy``) and the
+new cache is re-assigned to the buffer attribute, the form NxD's ModelBuilder and XLA need (they
+alias it to the input); ``FunctionalKV`` (decoder.py) returns it from the graph.
 """
 
 from __future__ import annotations
@@ -24,8 +28,16 @@ from nxdc.spec import ModelSpec
 QKV = (Part("q_proj", Q_HEADS), Part("k_proj", KV_HEADS), Part("v_proj", KV_HEADS))
 
 
+def use_functional_kv(model: nn.Module, enabled: bool = True) -> None:
+    """Write every Attention's KV cache out of place and re-assign it (or back to in place)."""
+    for m in model.modules():
+        if isinstance(m, Attention):
+            m.functional_kv = enabled
+
+
 class Attention(nn.Module):
     kernels = False  # nxdc::attend for prefill, decode and verify (fp32 on CPU); set by use_kernels
+    functional_kv = False  # set by use_functional_kv
 
     def __init__(
         self,
@@ -64,7 +76,9 @@ class Attention(nn.Module):
         positions: torch.Tensor,
         rows: torch.Tensor | None,
         keep: torch.Tensor | None,
-    ) -> None:
+    ) -> torch.Tensor:
+        """The cache with ``new`` written at ``positions``: ``cache`` itself, or (functional_kv)
+        a new tensor."""
         bsz, n_kv, t, d = new.shape
         seq = rows if rows is not None else torch.arange(bsz, device=new.device)
         heads = seq.view(bsz, 1, 1) * n_kv + torch.arange(n_kv, device=new.device).view(1, n_kv, 1)
@@ -74,7 +88,10 @@ class Attention(nn.Module):
         if keep is not None:
             written = keep.view(bsz, 1, t, 1).expand(bsz, n_kv, t, 1).reshape(-1, 1)
             src = torch.where(written, src, flat.index_select(0, idx))
+        if self.functional_kv:
+            return flat.index_copy(0, idx, src).view(cache.shape)
         flat.index_copy_(0, idx, src)
+        return cache
 
     def forward(
         self,
@@ -98,8 +115,10 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
-        self._write(self.k_cache, k, positions, rows, keep)
-        self._write(self.v_cache, v, positions, rows, keep)
+        k_cache = self._write(self.k_cache, k, positions, rows, keep)
+        v_cache = self._write(self.v_cache, v, positions, rows, keep)
+        if self.functional_kv:  # re-assigned, never written in place
+            self.k_cache, self.v_cache = k_cache, v_cache
         # [B, Hq, T, D] -> [B, Hkv, G*T, D]: query heads kv*G .. kv*G+G-1 share KV head kv.
         qg = q.reshape(bsz, n_kv, group * t, d)
         if self.kernels and q.dtype == torch.float32 and d % 8 == 0:

@@ -150,6 +150,29 @@ class Decoder(nn.Module):
         return logits[..., : self.spec.vocab_size].float()
 
 
+class FunctionalKV(nn.Module):
+    """A graph wrapper whose decoder writes its KV caches functionally (``use_functional_kv``):
+    it returns ``(logits, *new caches)`` in ``kv_cache_names`` order and leaves the decoder's
+    buffers as they were. It holds the decoder as ``.model`` too (not the wrapped graph, which
+    would prefix every name), so its constants are named like every other graph's."""
+
+    def __init__(self, graph: nn.Module):
+        super().__init__()
+        self.model = graph.model
+        object.__setattr__(self, "graph", graph)  # not a submodule: see above
+
+    def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        names = kv_cache_names(self.model.spec)
+        before = [self.model.get_buffer(n) for n in names]
+        try:
+            logits = self.graph(*inputs)
+            return (logits, *[self.model.get_buffer(n) for n in names])
+        finally:
+            for name, t in zip(names, before, strict=True):
+                owner, _, attr = name.rpartition(".")
+                setattr(self.model.get_submodule(owner), attr, t)
+
+
 class ContextEncoding(nn.Module):
     """Prefill graph for one bucket: fresh prompts (right-padded to T) -> last-token logits."""
 

@@ -3,12 +3,32 @@ how the model splits over ranks is ``nxdc.model.sharding``."""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
+
+_XLA_REPLICAS = False  # trace collectives as torch-xla all-reduces over one replica group
+
+
+@contextlib.contextmanager
+def xla_collectives():
+    """Collectives traced as ``xm.all_reduce`` over the replica group of every rank: what NxD's
+    ModelBuilder lowers into a NEFF (its own parallel layers call the same)."""
+    global _XLA_REPLICAS
+    _XLA_REPLICAS = True
+    try:
+        yield
+    finally:
+        _XLA_REPLICAS = False
 
 
 def all_reduce(x: torch.Tensor, tp: int) -> torch.Tensor:
     if tp == 1:
         return x
+    if _XLA_REPLICAS:
+        import torch_xla.core.xla_model as xm
+
+        return xm.all_reduce(xm.REDUCE_SUM, x, groups=[list(range(tp))])
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
 

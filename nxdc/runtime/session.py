@@ -1,11 +1,5 @@
-"""A loaded export: weights once, every bucket graph sharing them, a static KV cache.
-
-Safety rules the loader enforces, because AOTInductor does not:
-- a graph is callable only after all of its constants were loaded (calling it earlier
-  segfaults): ``CompiledGraph`` is created with its constants or not at all;
-- inputs must have exactly the traced shape, dtype and strides: every call copies into
-  preallocated contiguous input tensors after checking the shape.
-"""
+"""A loaded export: weights once, every bucket graph sharing them, a static KV cache. The
+backend (``compile/backends``) turns each bucket's files into a callable graph."""
 
 from __future__ import annotations
 
@@ -15,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from nxdc.cache.keys import sha256_file
-from nxdc.compile.backends import get_backend
+from nxdc.compile.backends import Graph, GraphState, get_backend
 from nxdc.errors import ExportDirError
 from nxdc.kernels import load_export_library
 from nxdc.manifest import Manifest, load_manifest
@@ -25,35 +19,6 @@ from nxdc.model.sharding import shard_layout
 from nxdc.runtime.arena import HostArena
 from nxdc.runtime.threads import apply_threads
 from nxdc.weights.shard import tied_lm_head
-
-
-class CompiledGraph:
-    def __init__(self, name: str, loaded, constants: dict[str, torch.Tensor], inputs, device: str):
-        fqns = loaded.get_constant_fqns()
-        missing = sorted(set(fqns) - set(constants))
-        if missing:
-            raise ExportDirError(f"graph {name} needs constants the export lacks: {', '.join(missing[:4])}")
-        loaded.load_constants({f: constants[f] for f in fqns}, check_full_update=True, user_managed=True)
-        self.name = name
-        self._runner = loaded.loader
-        self._inputs = [torch.zeros(tuple(shape), dtype=torch.int64, device=device) for _, shape in inputs]
-        # generation (sampling, speculation, stopping) works on host tensors: an accelerator's
-        # logits come back to the CPU once per call (at batch 8, 1.5 MB for a 49k vocabulary)
-        self._host = torch.device(device).type != "cpu"
-
-    def check(self, arrays) -> None:
-        if len(arrays) != len(self._inputs):
-            raise ValueError(f"{self.name}: {len(arrays)} inputs, traced with {len(self._inputs)}")
-        for buf, a in zip(self._inputs, arrays, strict=True):
-            if tuple(a.shape) != tuple(buf.shape):
-                raise ValueError(f"{self.name}: input shape {tuple(a.shape)} != traced {tuple(buf.shape)}")
-
-    def __call__(self, *arrays: torch.Tensor) -> torch.Tensor:
-        self.check(arrays)
-        for buf, a in zip(self._inputs, arrays, strict=True):
-            buf.copy_(a)
-        out = self._runner.boxed_run(list(self._inputs))[0]
-        return out.cpu() if self._host else out
 
 
 class Session:
@@ -80,25 +45,38 @@ class Session:
         backend = get_backend(self.plan.backend, self.device)
         if self.manifest.kernels:  # graphs call nxdc::linear_* / attend: load the library
             load_export_library(self.dir, self.manifest.kernels, self.manifest.kernel_library, verify)
-        self.constants = self._constants()
-        self.graphs: dict[str, CompiledGraph] = {}
+        self.state = GraphState(
+            backend.place(self._constants()),
+            [GRAPH_PREFIX + n for n in kv_cache_names(self.spec)],
+            tp=self.plan.tp,
+        )
+        self.graphs: dict[str, Graph] = {}
         for name, art in self.manifest.artifacts.items():
-            path = self.dir / art.path
-            if not path.is_file():
-                raise ExportDirError(
-                    f"{self.dir}: compiled artifact {art.path} is missing: re-run nxdc export"
-                )
-            if verify and sha256_file(path) != art.sha256:
-                raise ExportDirError(f"{self.dir}: compiled artifact {art.path} is corrupt (sha256 mismatch)")
+            files = {}
+            for fname, ref in art.files.items():
+                path = files[fname] = self.dir / ref.path
+                if not path.is_file():
+                    raise ExportDirError(
+                        f"{self.dir}: compiled artifact {ref.path} is missing: re-run nxdc export"
+                    )
+                if verify and sha256_file(path) != ref.sha256:
+                    raise ExportDirError(
+                        f"{self.dir}: compiled artifact {ref.path} is corrupt (sha256 mismatch)"
+                    )
             try:
-                loaded = backend.load(path)
+                self.graphs[name] = backend.load(name, files, self.state, art.inputs)
             except RuntimeError as e:  # e.g. a graph calling a kernel op this nxdc no longer has
                 first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                where = ", ".join(ref.path for ref in art.files.values())
                 raise ExportDirError(
-                    f"{self.dir}: compiled artifact {art.path} cannot be loaded by this nxdc "
+                    f"{self.dir}: compiled artifact {where} cannot be loaded by this nxdc "
                     f"({first}): re-run nxdc export"
                 ) from e
-            self.graphs[name] = CompiledGraph(name, loaded, self.constants, art.inputs, self.device)
+
+    @property
+    def constants(self) -> dict[str, torch.Tensor]:
+        """The rank's weights, rope tables and KV caches by graph constant name."""
+        return self.state.tensors
 
     def _constants(self) -> dict[str, torch.Tensor]:
         info = self.manifest.rank_weights(self.rank)

@@ -1,7 +1,13 @@
 """torch.export + AOTInductor packages, with weights kept out of the compiled code.
 
 Packages are built with ``package_constants_in_so=False``: weights and KV caches are
-user-managed constants handed in at load time, shared by every bucket graph."""
+user-managed constants handed in at load time, shared by every bucket graph.
+
+Safety rules the loader enforces, because AOTInductor does not:
+- a graph is callable only after all of its constants were loaded (calling it earlier
+  segfaults): ``CompiledGraph`` is created with its constants or not at all;
+- inputs must have exactly the traced shape, dtype and strides: every call copies into
+  preallocated contiguous input tensors after checking the shape."""
 
 from __future__ import annotations
 
@@ -12,9 +18,13 @@ from typing import Any
 
 import torch
 
-from nxdc.compile.backends import check_device
-from nxdc.errors import UserInputError
+from nxdc.cache.keys import source_digest
+from nxdc.compile.backends import Graph, GraphState, check_device
+from nxdc.compile.buckets import Bucket
+from nxdc.compile.trace import fake_process_group, trace
+from nxdc.errors import ExportDirError, UserInputError
 from nxdc.kernels import cpu_isa
+from nxdc.plan import ExportPlan
 
 ARTIFACT = "model.pt2"
 
@@ -73,18 +83,56 @@ class InductorBackend:
             "torch": torch.__version__,
             "isa": cpu_isa() if self.device == "cpu" else torch.cuda.get_device_capability(self.device),
             "flags": self.inductor_configs(kind),
+            "backend_code": source_digest(Path(__file__).resolve()),
         }
 
-    def compile(self, ep: torch.export.ExportedProgram, out_dir: Path, kind: str | None = None) -> Path:
+    def build(self, model, bucket: Bucket, plan: ExportPlan, out_dir: Path) -> None:
+        with fake_process_group(plan.tp):  # the graphs' collectives name a tp-rank group
+            ep = trace(model, bucket, plan.batch_size, plan.device, plan.speculation_length)
+            self.compile(ep, out_dir, bucket.kind)
+
+    def compile(self, ep: torch.export.ExportedProgram, out_dir: Path, kind: str | None = None) -> None:
         from torch._inductor import aoti_compile_and_package
 
-        out = out_dir / ARTIFACT
-        aoti_compile_and_package(
-            ep, package_path=os.fspath(out), inductor_configs=self.inductor_configs(kind)
-        )
-        return out
+        out = os.fspath(out_dir / ARTIFACT)
+        aoti_compile_and_package(ep, package_path=out, inductor_configs=self.inductor_configs(kind))
 
-    def load(self, path: Path):
+    def export_path(self, bucket: str, file: str) -> str:
+        return f"artifacts/{bucket}.pt2"  # one file per bucket
+
+    def place(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return tensors  # loaded on the plan's device already
+
+    def load(self, name: str, files: dict[str, Path], state: GraphState, inputs) -> Graph:
         from torch._inductor import aoti_load_package
 
-        return aoti_load_package(os.fspath(path))
+        return CompiledGraph(name, aoti_load_package(os.fspath(files[ARTIFACT])), state, inputs, self.device)
+
+
+class CompiledGraph(Graph):
+    def __init__(self, name: str, loaded, state: GraphState, inputs, device: str):
+        super().__init__(name, inputs, device)
+        constants = state.tensors
+        fqns = loaded.get_constant_fqns()
+        missing = sorted(set(fqns) - set(constants))
+        if missing:
+            raise ExportDirError(f"graph {name} needs constants the export lacks: {', '.join(missing[:4])}")
+        loaded.load_constants({f: constants[f] for f in fqns}, check_full_update=True, user_managed=True)
+        self._runner = loaded.loader
+        # functional KV writes (--kv-update functional): the graph returns new caches, copied
+        # back into the buffers every graph was handed as constants
+        self._kv = [constants[n] for n in state.kv]
+        # generation (sampling, speculation, stopping) works on host tensors: an accelerator's
+        # logits come back to the CPU once per call (at batch 8, 1.5 MB for a 49k vocabulary)
+        self._host = torch.device(device).type != "cpu"
+
+    def __call__(self, *arrays: torch.Tensor) -> torch.Tensor:
+        self.check(arrays)
+        for buf, a in zip(self._inputs, arrays, strict=True):
+            buf.copy_(a)
+        outs = self._runner.boxed_run(list(self._inputs))
+        if len(outs) > 1:
+            for buf, new in zip(self._kv, outs[1:], strict=True):
+                buf.copy_(new)
+        out = outs[0]
+        return out.cpu() if self._host else out
