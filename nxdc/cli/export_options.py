@@ -64,7 +64,9 @@ KV_UPDATE = typer.Option(
     help="How graphs write the KV cache: in-place | functional (xla and neuron: functional only). \\[default: the backend's]",
 )
 DEVICE = typer.Option(
-    None, "--device", help="cpu | cuda[:N] (inductor); cpu (xla); trn1 | trn2 | inf2 (neuron). \\[default: cpu]"
+    None,
+    "--device",
+    help="cpu | cuda[:N] (inductor); cpu (xla); trn1 | trn2 | inf2 (neuron). \\[default: cpu]",
 )
 
 
