@@ -56,8 +56,10 @@ class Graph:
             if tuple(a.shape) != tuple(buf.shape):
                 raise ValueError(f"{self.name}: input shape {tuple(a.shape)} != traced {tuple(buf.shape)}")
 
-    def __call__(self, *arrays: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+    def __call__(self, *arrays: torch.Tensor) -> torch.Tensor:  # each backend's Graph runs it
+        raise NotImplementedError(
+            f"{type(self).__name__} is a base class: a backend's load() returns its own graph"
+        )
 
 
 class Backend(Protocol):
