@@ -21,7 +21,11 @@ from tiny import GQA_EXPORT, SERVE_EXPORT, make_tiny_llama  # noqa: E402
 
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory) -> Path:
-    d = tmp_path_factory.mktemp("nxdc-cache")
+    """A fresh compile cache per session; NXDC_TEST_CACHE_DIR (a developer's choice, never CI's)
+    keeps one across sessions, so a rerun of a few tests does not recompile their models."""
+    keep = os.environ.get("NXDC_TEST_CACHE_DIR")
+    d = Path(keep) if keep else tmp_path_factory.mktemp("nxdc-cache")
+    d.mkdir(parents=True, exist_ok=True)
     os.environ["NXDC_CACHE_DIR"] = str(d)
     return d
 
@@ -85,6 +89,22 @@ def smollm2_export(cache_dir, tmp_path_factory) -> Path:
 
     out = tmp_path_factory.mktemp("exports") / "smollm2"
     run_export("smollm2-135m", out, ExportOptions(batch_size=1, sequence_length=128, context_buckets=(64,)))
+    return out
+
+
+SMOLLM2_SERVE_EXPORT = dict(
+    batch_size=8, sequence_length=1024, context_buckets=(64,), decode_buckets=(1024,), chunk_buckets=(32, 256)
+)
+
+
+@pytest.fixture(scope="session")
+def smollm2_serve_export(cache_dir, tmp_path_factory) -> Path:
+    """SmolLM2 with serving graphs: 8 rows of 1,024 positions."""
+    from nxdc.export import run_export
+    from nxdc.plan import ExportOptions
+
+    out = tmp_path_factory.mktemp("exports") / "smollm2-serve"
+    run_export("smollm2-135m", out, ExportOptions(**SMOLLM2_SERVE_EXPORT))
     return out
 
 

@@ -100,3 +100,15 @@ def parse_sse(raw: str, chat: bool, include_usage: bool) -> dict:
         (b["choices"][0].get("text") or b["choices"][0].get("delta", {}).get("content")) for b in content[1:]
     )
     return {"text": text, "finish_reason": final["choices"][0]["finish_reason"], "usage": usage}
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """One sample of a Prometheus exposition (``/metrics``), by its full name (``..._total``,
+    ``..._count``) and the labels it must carry; 0.0 for a labelled series not yet created."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                return s.value
+    return 0.0

@@ -27,6 +27,8 @@ class FakeRunner:
     Records every call."""
 
     next_chunk = Runner.next_chunk  # the real chunking policy
+    check_ids = Runner.check_ids  # and the real refusal of ids outside the vocabulary
+    vocab_size = VOCAB
 
     def __init__(self, batch=4, max_seq=64, chunk=8, eos_bias=0.0, chunks=None):
         self.batch_size, self.max_seq = batch, max_seq
@@ -51,6 +53,7 @@ class FakeRunner:
 
     def prefill_row(self, row: int, ids: list[int], start: int) -> torch.Tensor:
         assert 0 < len(ids) <= self.max_chunk and start + len(ids) <= self.max_seq
+        self.check_ids(ids)
         self.calls.append(("prefill", row, len(ids), start))
         self.cache[row][start : start + len(ids)] = ids
         self.cache[row][start + len(ids) :] = [None] * (self.max_seq - start - len(ids))
@@ -287,3 +290,150 @@ def test_queue_deadline_fails_waiting_requests(tok):
     failed = [e for e in engine.step().events if isinstance(e, Failed)]
     assert [(f.id, f.status, f.code) for f in failed] == [("late", 503, "queue_timeout")]
     assert not engine.waiting
+
+
+def _finish_all(engine: Engine, evs: dict) -> dict:
+    while engine.has_work:
+        for e in engine.step().events:
+            evs.setdefault(e.id, []).append(e)
+    return evs
+
+
+def test_one_bad_request_fails_alone_beside_running_ones(tok):
+    """Input the engine refuses (ids outside the vocabulary, sampling values the sampler refuses,
+    a duplicate id) and an error while one request is detokenized each fail that request alone:
+    its row is freed, and the four requests beside it get exactly their solo output."""
+    runner = FakeRunner(batch=5, chunk=8)
+    engine = Engine(runner, tok)
+    good = [Submit(f"g{i}", tuple(prompt(30 + i, 6 + i)), max_tokens=15, ignore_eos=True) for i in range(4)]
+    for m in good:
+        engine.submit(m)
+    evs: dict = {}
+    for _ in range(3):
+        for e in engine.step().events:
+            evs.setdefault(e.id, []).append(e)
+    bad = [
+        Submit("vocab", (5, VOCAB + 3), max_tokens=4),
+        Submit("negative", (5, -1), max_tokens=4),
+        Submit("top_p", (5, 6), max_tokens=4, temperature=0.7, top_p=float("nan")),
+        Submit("g0", (5, 6), max_tokens=4),  # an id the engine already has
+        Submit("empty", (), max_tokens=4),
+    ]
+    for m in bad:
+        engine.submit(m)
+    engine.submit(Submit("detok", tuple(prompt(40, 5)), max_tokens=10, ignore_eos=True))
+    engine.seqs["detok"].detok.add = lambda token: 1 / 0  # an error in this request's text alone
+    _finish_all(engine, evs)
+    for m in bad:
+        f = [e for e in evs[m.id] if isinstance(e, Failed)]
+        assert len(f) == 1 and f[0].status == 400, evs[m.id]
+    assert "outside this model's vocabulary" in evs["vocab"][-1].message
+    (fail,) = [e for e in evs["detok"] if isinstance(e, Failed)]
+    assert fail.status == 500 and "ZeroDivisionError" in fail.message
+    for m in good:
+        want = runner.alone(list(m.prompt_ids), 15, ignore_eos=True)
+        assert done(evs[m.id]).completion_tokens == 15
+        assert text([e for e in evs[m.id] if not isinstance(e, Failed)]) == tok.decode(want)
+    assert engine.running == 0 and not engine.seqs and all(s["state"] == "idle" for s in engine.slot_states())
+
+
+def test_an_error_in_a_graph_call_is_the_engines(tok):
+    runner = FakeRunner(batch=2)
+    engine = Engine(runner, tok)
+    engine.submit(Submit("a", tuple(prompt(1, 4)), max_tokens=5))
+    engine.step()
+
+    def broken(*a):
+        raise RuntimeError("graph failed")
+
+    runner.decode = broken
+    with pytest.raises(RuntimeError, match="graph failed"):
+        engine.step()
+
+
+def test_top_p_zero_is_greedy(tok):
+    runner = FakeRunner(batch=2)
+    p = prompt(12, 7)
+    evs = run(Engine(runner, tok), {0: [Submit("z", tuple(p), max_tokens=12, temperature=0.9, top_p=0.0)]})
+    assert text(evs["z"]) == tok.decode([t for t in runner.alone(p, 12) if t != EOS])
+
+
+def test_aborting_the_last_request_reports_the_free_rows(tok):
+    engine = Engine(FakeRunner(batch=2), tok)
+    engine.submit(Submit("a", tuple(prompt(1, 4)), max_tokens=50, ignore_eos=True))
+    engine.step()
+    engine.abort("a")
+    assert engine.has_work  # not work to run, but a change to report
+    ev = engine.step()
+    assert ev.running == 0 and all(s["state"] == "idle" for s in ev.slots)
+    assert not engine.has_work
+
+
+class TimedRunner(FakeRunner):
+    """FakeRunner on a fake clock: a chunk graph of n positions takes ``per_token * n`` plus
+    ``fixed``, a decode step ``decode_s``."""
+
+    def __init__(self, now: list[float], decode_s=0.02, per_token=0.001, fixed=0.004, **kw):
+        super().__init__(**kw)
+        self.now, self.decode_s, self.per_token, self.fixed = now, decode_s, per_token, fixed
+
+    def prefill_row(self, row, ids, start):
+        graph = min(b.length for b in self.plan.chunks if b.length >= len(ids))
+        self.now[0] += self.fixed + self.per_token * graph
+        return super().prefill_row(row, ids, start)
+
+    def decode(self, tokens, positions):
+        self.now[0] += self.decode_s
+        return super().decode(tokens, positions)
+
+
+def test_step_budget_keeps_decoding_rows_within_two_decode_steps(tok):
+    now = [0.0]
+    # chunk graphs of 8 / 16 / 64 positions take 12 / 20 / 68 ms, a decode step 20 ms
+    runner = TimedRunner(now, batch=2, max_seq=256, chunks=(8, 16, 64))
+    engine = Engine(runner, tok, prefill_chunk=64, clock=lambda: now[0])
+    engine.warm_up()
+    assert engine.budget.chunk_s == pytest.approx({8: 0.012, 16: 0.020, 64: 0.068})
+    engine.submit(Submit("alone", tuple(prompt(3, 130)), max_tokens=3, ignore_eos=True))
+    evs = _finish_all(engine, {})
+    first = [c[2] for c in runner.calls if c[0] == "prefill"][3:]  # after the warm-up's 3
+    assert first == [64, 64, 2]  # nobody decoding: the whole cap per step
+    runner.calls.clear()
+    engine.submit(Submit("stream", tuple(prompt(4, 5)), max_tokens=60, ignore_eos=True))
+    for e in engine.step().events:
+        evs.setdefault(e.id, []).append(e)
+    engine.submit(Submit("long", tuple(prompt(5, 100)), max_tokens=3, ignore_eos=True))
+    steps = []
+    while engine.has_work:
+        t0 = now[0]
+        for e in engine.step().events:
+            evs.setdefault(e.id, []).append(e)
+        steps.append(now[0] - t0)
+    pieces = [c[2] for c in runner.calls if c[0] == "prefill"][1:]
+    assert pieces[:6] == [16] * 6  # the 16-token graph (20 ms) fits one more decode step; 64 would not
+    assert max(steps) <= 2 * runner.decode_s + 1e-9
+    for rid in ("alone", "stream", "long"):
+        msg_prompt = {"alone": prompt(3, 130), "stream": prompt(4, 5), "long": prompt(5, 100)}[rid]
+        n = done(evs[rid]).completion_tokens
+        assert text(evs[rid]) == tok.decode(runner.alone(msg_prompt, n, ignore_eos=True))
+
+
+@pytest.mark.parametrize(
+    "decode_s, chunk_s, decoding, want",
+    [
+        (0.02, {8: 0.012, 32: 0.05}, True, 8),
+        (0.02, {8: 0.012, 32: 0.05}, False, 32),
+        (0.005, {8: 0.012, 32: 0.05}, True, 8),  # none fits: the smallest, so the prompt advances
+        (None, {}, True, 32),  # nothing measured yet: the cap
+        (0.05, {8: 0.012, 32: 0.05}, True, 32),
+    ],
+)
+def test_step_budget_limits(decode_s, chunk_s, decoding, want):
+    from nxdc.serve.engine import StepBudget
+
+    b = StepBudget([8, 32, 128], cap=32)
+    if decode_s is not None:
+        b.observe_decode(decode_s)
+    for n, s in chunk_s.items():
+        b.observe_chunk(n, s)
+    assert b.limit(decoding) == want

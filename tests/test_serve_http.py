@@ -11,7 +11,7 @@ import re
 
 import httpx
 import pytest
-from serve_client import ServerProc, parse_sse
+from serve_client import ServerProc, metric, parse_sse
 from tiny import SERVE_EXPORT, WORDS
 
 from nxdc.runtime.runner import Runner
@@ -60,9 +60,8 @@ async def _staggered(url: str, bodies: list[dict], gap: float) -> list[dict]:
 def busy_rows_seen(server) -> float:
     """Decode steps that ran with more than one busy row, from /metrics."""
     text = httpx.get(server.url + "/metrics").text
-    count = float(re.search(r"^nxdc_decode_busy_rows_count (\S+)$", text, re.M)[1])
-    one = float(re.search(r'^nxdc_decode_busy_rows_bucket\{le="1.0"\} (\S+)$', text, re.M)[1])
-    return count - one
+    count = metric(text, "nxdc_decode_busy_rows_count", model_name="tiny")
+    return count - metric(text, "nxdc_decode_busy_rows_bucket", le="1.0")
 
 
 def test_staggered_greedy_requests_match_generate_alone(server, generate_alone):
@@ -207,8 +206,8 @@ def test_error_paths(server):
     ok = post(server, "/v1/completions", {"prompt": "w1", "n": 1, "presence_penalty": 0, "max_tokens": 2})
     assert ok.status_code == 200, ok.text
     metrics = httpx.get(server.url + "/metrics").text
-    assert 'nxdc_requests_rejected_total{reason="context_length_exceeded"} 2.0' in metrics
-    assert 'nxdc_requests_rejected_total{reason="model_not_found"} 1.0' in metrics
+    assert metric(metrics, "nxdc_requests_rejected_total", reason="context_length_exceeded") == 2
+    assert metric(metrics, "nxdc_requests_rejected_total", reason="model_not_found") == 1
 
 
 def test_models_slots_and_metrics(server):
@@ -227,7 +226,9 @@ def test_models_slots_and_metrics(server):
         "nxdc_prompt_tokens_total",
         "nxdc_prompt_cached_tokens_total",
         "nxdc_generation_tokens_total",
-        'nxdc_requests_finished_total{reason="length"}',
+        'nxdc_requests_finished_total{model_name="tiny",reason="length"}',
+        'nxdc_kv_cache_rows_in_use{model_name="tiny"}',
+        'nxdc_kv_cache_usage_ratio{model_name="tiny"}',
         "nxdc_time_to_first_token_seconds_bucket",
         "nxdc_inter_token_latency_seconds_bucket",
         "nxdc_e2e_request_latency_seconds_bucket",

@@ -12,15 +12,12 @@ import time
 
 import httpx
 import pytest
-from serve_client import ServerProc, parse_sse
+from serve_client import ServerProc, metric, parse_sse
 
 from nxdc.runtime.runner import Runner
 
 pytestmark = pytest.mark.slow
 
-EXPORT = dict(
-    batch_size=8, sequence_length=1024, context_buckets=(64,), decode_buckets=(1024,), chunk_buckets=(32, 256)
-)
 QUESTIONS = [
     "What is the capital of France?",
     "Name three primary colors.",
@@ -31,16 +28,6 @@ QUESTIONS = [
     "List two mammals that can fly or glide.",
     "What does a compiler do?",
 ]
-
-
-@pytest.fixture(scope="module")
-def smollm2_serve_export(cache_dir, tmp_path_factory):
-    from nxdc.export import run_export
-    from nxdc.plan import ExportOptions
-
-    out = tmp_path_factory.mktemp("exports") / "smollm2-serve"
-    run_export("smollm2-135m", out, ExportOptions(**EXPORT))
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +141,7 @@ def test_disconnected_streams_free_their_rows(server):
         ).json()
         assert got["text"] == alone["choices"][0]["message"]["content"]
     metrics = httpx.get(server.url + "/metrics").text
-    assert 'nxdc_requests_finished_total{reason="abort"} 4.0' in metrics
+    assert metric(metrics, "nxdc_requests_finished_total", reason="abort") == 4
 
 
 def test_health_answers_during_a_long_prefill(server):
@@ -182,6 +169,17 @@ def test_health_answers_during_a_long_prefill(server):
     assert p99 < 0.05, (p99, max(lat))
 
 
+async def _until(c: httpx.AsyncClient, ok, timeout: float = 60.0) -> dict:
+    """Poll /slots until ``ok(slots)``; fails after ``timeout`` (never a fixed sleep)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        slots = (await c.get("/slots")).json()
+        if ok(slots):
+            return slots
+        assert time.monotonic() < deadline, f"/slots never reached the state: {slots}"
+        await asyncio.sleep(0.02)
+
+
 def test_queue_limits_timeouts_and_drain(smollm2_serve_export, tmp_path):
     s = ServerProc(
         smollm2_serve_export,
@@ -196,7 +194,7 @@ def test_queue_limits_timeouts_and_drain(smollm2_serve_export, tmp_path):
             async with httpx.AsyncClient(base_url=s.url, timeout=30) as c:
                 body = {"prompt": "Count to ten.", "max_tokens": 8}
                 queued = asyncio.create_task(c.post("/v1/completions", json=body))  # no free row
-                await asyncio.sleep(0.3)
+                await _until(c, lambda slots: slots["waiting"] >= 1)
                 out["full"] = await c.post("/v1/completions", json=body)  # 8 running + 1 queued
                 out["queued"] = await queued
 
@@ -209,6 +207,11 @@ def test_queue_limits_timeouts_and_drain(smollm2_serve_export, tmp_path):
             events = raw.strip().split("\n\n")
             assert events[-1] == "data: [DONE]"
             assert '"code": "request_timeout"' in events[-2]
+        # each request counted once, under one reason
+        metrics = httpx.get(s.url + "/metrics").text
+        finished = lambda reason: metric(metrics, "nxdc_requests_finished_total", reason=reason)  # noqa: E731
+        assert (finished("timeout"), finished("queue_timeout"), finished("abort")) == (8, 1, 0)
+        assert metric(metrics, "nxdc_requests_rejected_total", reason="queue_full") == 1
         # SIGTERM while a stream runs: no new connections, the stream finishes, exit 0
         r = {}
 
@@ -218,11 +221,18 @@ def test_queue_limits_timeouts_and_drain(smollm2_serve_export, tmp_path):
 
         t = threading.Thread(target=stream)
         t.start()
-        time.sleep(0.5)
+
+        async def decoding():
+            async with httpx.AsyncClient(base_url=s.url, timeout=30) as c:
+                await _until(c, lambda slots: any(x["state"] == "decoding" for x in slots["slots"]))
+
+        asyncio.run(decoding())
         s.proc.send_signal(15)
-        time.sleep(0.3)
-        with pytest.raises(httpx.TransportError):
-            httpx.get(s.url + "/health", timeout=2)
+        deadline = time.monotonic() + 30
+        with pytest.raises(httpx.TransportError):  # the listening socket closes while the stream runs
+            while time.monotonic() < deadline:
+                httpx.get(s.url + "/health", timeout=2)
+                time.sleep(0.02)
         t.join()
         assert parse_sse(r["raw"], chat=False, include_usage=False)["finish_reason"] == "length"
         assert s.proc.wait(30) == 0, s.stderr()

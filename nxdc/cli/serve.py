@@ -39,10 +39,14 @@ def serve(
     prefill_chunk: int = typer.Option(
         None,
         "--prefill-chunk",
-        help="Most prompt tokens per engine step (lower: steadier streams beside long prompts). \\[default: the export's largest chunk]",
+        help="Most prompt tokens per engine step. While streams decode, a step takes the largest chunk "
+        "graph that keeps it within 2 decode steps (measured). \\[default: the largest chunk graph <= 128]",
     ),
     threads: int = typer.Option(
         None, "--threads", help="CPU threads of the engine. \\[default: cores available]"
+    ),
+    max_body_bytes: int = typer.Option(
+        1 << 20, "--max-body-bytes", help="Largest request body accepted (larger: 413)."
     ),
     quiet: bool = typer.Option(False, "-q", "--quiet", help="No start-up line."),
     verbose: bool = typer.Option(False, "-v", "--verbose", help="Tracebacks on errors."),
@@ -62,7 +66,12 @@ def serve(
             raise UserInputError(f"--api-key-file {api_key_file}: {e.strerror}") from None
         if not api_key:
             raise UserInputError(f"--api-key-file {api_key_file} is empty")
-    for name, value in (("max-queue", max_queue), ("threads", threads), ("prefill-chunk", prefill_chunk)):
+    for name, value in (
+        ("max-queue", max_queue),
+        ("threads", threads),
+        ("prefill-chunk", prefill_chunk),
+        ("max-body-bytes", max_body_bytes),
+    ):
         if value is not None and value < 1:
             raise UserInputError(f"--{name} must be a positive integer (got {value})")
     for name, value in (("queue-timeout", queue_timeout), ("request-timeout", request_timeout)):
@@ -83,6 +92,7 @@ def serve(
         request_timeout=request_timeout,
         prefill_chunk=prefill_chunk,
         threads=threads,
+        max_body_bytes=max_body_bytes,
         quiet=quiet,
     )
     server = Server(cfg)  # checks the export

@@ -47,6 +47,20 @@ class Runner:
         return self.plan.speculation_length
 
     @property
+    def vocab_size(self) -> int:
+        return self.spec.vocab_size
+
+    def check_ids(self, ids) -> None:
+        """Refuse token ids outside the vocabulary before they reach a compiled graph (an
+        embedding lookup there reads out of bounds or aborts the process)."""
+        t = torch.as_tensor(ids)
+        if t.numel() and (int(t.min()) < 0 or int(t.max()) >= self.vocab_size):
+            bad = next(int(i) for i in t.flatten().tolist() if not 0 <= i < self.vocab_size)
+            raise UserInputError(
+                f"token id {bad} is outside this model's vocabulary (0..{self.vocab_size - 1})"
+            )
+
+    @property
     def threads(self) -> int:
         return self.session.threads
 
@@ -90,6 +104,8 @@ class Runner:
             raise UserInputError(f"got {len(prompts)} prompts; this export takes 1 to {self.batch_size}")
         if any(len(p) == 0 for p in prompts):
             raise UserInputError("a prompt encodes to zero tokens")
+        for p in prompts:
+            self.check_ids(p)
         bucket = pick_context_bucket(self.plan.context, max(len(p) for p in prompts))
         ids = torch.full((self.batch_size, bucket.length), pad_id, dtype=torch.int64)
         last = torch.zeros(self.batch_size, dtype=torch.int64)
@@ -105,6 +121,7 @@ class Runner:
         busy = (positions >= 0).nonzero().flatten().tolist()
         if not busy:
             raise ValueError("decode: every row is idle")
+        self.check_ids(tokens[busy])
         bucket = pick_decode_bucket(self.plan.decode, int(positions.max()))
         if not self.idle_rows:
             idle = positions < 0
@@ -128,6 +145,7 @@ class Runner:
         """``tokens`` [batch, K+1] at positions start..start+K (start negative: an idle row) ->
         logits [batch, K+1, vocab]."""
         k = self.speculation_length
+        self.check_ids(tokens)
         bucket = pick_decode_bucket(self.plan.verify, int(start.max()) + k)
         if not self.idle_rows:
             start = start.clamp(min=0)
@@ -146,6 +164,7 @@ class Runner:
             raise ValueError(f"prefill_row: {n} tokens (1..{self.max_chunk} per call)")
         if not 0 <= row < self.batch_size or start < 0 or start + n > self.max_seq:
             raise ValueError(f"prefill_row: row {row}, positions {start}..{start + n - 1} outside the cache")
+        self.check_ids(ids)
         bucket = min((b for b in self.plan.chunks if b.length >= n), key=lambda b: b.length)
         x = torch.zeros((1, bucket.length), dtype=torch.int64)
         x[0, :n] = torch.tensor(ids, dtype=torch.int64)

@@ -1,10 +1,12 @@
 """The OpenAI-compatible surface of ``nxdc serve``: request bodies checked field by field (a
-field nxdc does not support is named in a 400, never ignored), and responses and stream chunks
-shaped as the OpenAI API (and ``vllm bench serve``, the openai SDK) parse them."""
+field nxdc does not support is named in a 400, never ignored; a value is refused here, with a
+400, whenever the engine would not accept it), and responses and stream chunks shaped as the
+OpenAI API (and ``vllm bench serve``, the openai SDK) parse them."""
 
 from __future__ import annotations
 
 import json
+import math
 import time
 import uuid
 from dataclasses import dataclass
@@ -13,7 +15,13 @@ from dataclasses import dataclass
 class ApiError(Exception):
     """An OpenAI-style error: HTTP ``status`` and ``{"error": {message, type, param, code}}``."""
 
-    TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error"}
+    TYPES = {
+        400: "invalid_request_error",
+        401: "authentication_error",
+        404: "not_found_error",
+        405: "invalid_request_error",
+        413: "invalid_request_error",
+    }
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
         super().__init__(message)
@@ -63,6 +71,39 @@ NO_OP = {
 }
 
 
+# Limits of a request's values (docs/serve.md); the body's size is --max-body-bytes.
+MAX_TEMPERATURE = 2.0  # OpenAI's range: 0..2
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
+MAX_TOP_K = 2**31 - 1
+MAX_STOPS = 16  # stop strings per request
+MAX_STOP_CHARS = 256  # characters of one stop string
+
+
+def loads(raw: bytes):
+    """The request body as JSON: strict (no NaN / Infinity), with a one-line 400 for anything
+    that is not, including nesting too deep for the parser."""
+
+    def constant(name: str):
+        raise ValueError(f"{name} is not a JSON number")
+
+    try:
+        return json.loads(raw, parse_constant=constant)
+    except RecursionError:
+        raise ApiError(400, "the request body is not valid JSON (nested too deeply)") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"the request body is not valid JSON ({e})") from None
+
+
+def _text(value: str, name: str) -> str:
+    """A string that can be encoded (JSON's \\ud800 escapes give lone surrogates, which no
+    tokenizer takes)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ApiError(400, f"'{name}' is not valid Unicode text (a lone surrogate)", name) from None
+    return value
+
+
 @dataclass(frozen=True)
 class Params:
     """A validated request, before tokenization."""
@@ -88,6 +129,8 @@ def _number(body: dict, name: str, default, lo: float | None = None, hi: float |
         return default
     if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and not isinstance(v, int)):
         raise ApiError(400, f"'{name}' must be {'an integer' if kind is int else 'a number'}", name)
+    if isinstance(v, float) and not math.isfinite(v):
+        raise ApiError(400, f"'{name}' must be a finite number (got {v})", name)
     if (lo is not None and v < lo) or (hi is not None and v > hi):
         span = f"at least {lo}" if hi is None else f"between {lo} and {hi}"
         raise ApiError(400, f"'{name}' must be {span} (got {v})", name)
@@ -118,6 +161,8 @@ def parse(body, chat: bool) -> Params:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise ApiError(400, "'model' must be a string", "model")
+    if model is not None:
+        _text(model, "model")
     prompt, messages = (None, _messages(body)) if chat else (_prompt(body), None)
     max_tokens = _number(body, "max_tokens", None, 1, kind=int)
     if chat:
@@ -133,6 +178,11 @@ def parse(body, chat: bool) -> Params:
         stop = tuple(stop)
     else:
         raise ApiError(400, "'stop' must be a string or a list of strings", "stop")
+    if len(stop) > MAX_STOPS:
+        raise ApiError(400, f"'stop' has {len(stop)} strings; at most {MAX_STOPS}", "stop")
+    for s in stop:
+        if len(_text(s, "stop")) > MAX_STOP_CHARS:
+            raise ApiError(400, f"a 'stop' string has {len(s)} characters; at most {MAX_STOP_CHARS}", "stop")
     options = body.get("stream_options")
     if options is not None and (not isinstance(options, dict) or set(options) - {"include_usage"}):
         raise ApiError(400, "'stream_options' takes only 'include_usage'", "stream_options")
@@ -140,16 +190,20 @@ def parse(body, chat: bool) -> Params:
     include_usage = bool((options or {}).get("include_usage"))
     if options is not None and not stream:
         raise ApiError(400, "'stream_options' needs 'stream': true", "stream_options")
-    top_k = _number(body, "top_k", 0, -1, kind=int)
-    seed = _number(body, "seed", None, kind=int)
+    top_k = _number(body, "top_k", 0, -1, MAX_TOP_K, kind=int)
+    seed = _number(body, "seed", None, *SEED_RANGE, kind=int)
+    temperature = _number(body, "temperature", 1.0, 0.0, MAX_TEMPERATURE)
+    top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
+    if top_p == 0:  # the nucleus shrinks to the likeliest token alone: greedy (as vLLM treats it)
+        temperature, top_p = 0.0, 1.0
     return Params(
         chat=chat,
         model=model,
         prompt=prompt,
         messages=messages,
         max_tokens=max_tokens,
-        temperature=_number(body, "temperature", 1.0, 0.0),
-        top_p=_number(body, "top_p", 1.0, 0.0, 1.0),
+        temperature=temperature,
+        top_p=top_p,
         top_k=max(top_k, 0),
         seed=seed,
         stop=stop,
@@ -166,7 +220,7 @@ def _prompt(body: dict) -> str | list[int]:
     if isinstance(p, str):
         if not p:
             raise ApiError(400, "'prompt' is empty", "prompt")
-        return p
+        return _text(p, "prompt")
     if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
         return p
     if isinstance(p, list) and len(p) > 1:
@@ -189,13 +243,18 @@ def _messages(body: dict) -> list[dict]:
         extra = set(m) - {"role", "content", "name"}
         if extra:
             raise ApiError(400, f"messages[{i}]: unsupported field '{sorted(extra)[0]}'", "messages")
+        if m.get("name") is not None and not isinstance(m["name"], str):
+            raise ApiError(400, f"messages[{i}]: 'name' must be a string", "messages")
         content = m.get("content")
         if isinstance(content, list):  # content parts: text only
             if not all(isinstance(c, dict) and c.get("type") == "text" for c in content):
                 raise ApiError(400, f"messages[{i}]: only text content parts are supported", "messages")
-            content = "".join(str(c.get("text", "")) for c in content)
+            if not all(isinstance(c.get("text", ""), str) for c in content):
+                raise ApiError(400, f"messages[{i}]: a text part's 'text' must be a string", "messages")
+            content = "".join(c.get("text", "") for c in content)
         if not isinstance(content, str):
             raise ApiError(400, f"messages[{i}]: 'content' must be a string", "messages")
+        _text(content, "messages")
         role = "system" if m["role"] == "developer" else m["role"]
         out.append({"role": role, "content": content})
     return out

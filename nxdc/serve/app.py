@@ -1,20 +1,26 @@
 """The HTTP side of ``nxdc serve``: a Starlette app (run by uvicorn) that checks, tokenizes and
 queues requests, and streams the engine process's tokens back. It never imports torch: the
 engine (``engine_process.py``) runs the model, this process stays free to answer ``/health``
-and to stream while a long prompt is being prefilled."""
+and to stream while a long prompt is being prefilled.
+
+No request can take the server down: a body is read up to ``--max-body-bytes``, parsed,
+checked, tokenized and rendered in a thread pool (not on the event loop), every value is
+checked against what the engine accepts, and every error, expected or not, is answered as
+OpenAI error JSON and counted."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import hmac
-import json
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -43,6 +49,7 @@ class ServeConfig:
     request_timeout: float | None = None  # seconds a request may take in all
     prefill_chunk: int | None = None
     threads: int | None = None
+    max_body_bytes: int = 1 << 20  # larger bodies get 413
     quiet: bool = False
 
 
@@ -53,7 +60,8 @@ class Pending:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     arrival: float = field(default_factory=time.monotonic)
     last_token: float | None = None
-    done: bool = False
+    tokens: int = 0  # Token events seen
+    done: bool = False  # ended and counted (nxdc_requests_finished), once
 
 
 def check_export(export_dir: Path) -> Manifest:
@@ -73,11 +81,15 @@ def check_export(export_dir: Path) -> Manifest:
 class Server:
     def __init__(self, cfg: ServeConfig):
         self.cfg = cfg
-        plan = check_export(cfg.export_dir).plan
-        self.max_seq, self.batch_size = plan.sequence_length, plan.batch_size
+        manifest = check_export(cfg.export_dir)
+        self.max_seq, self.batch_size = manifest.plan.sequence_length, manifest.plan.batch_size
+        self.vocab_size = manifest.spec.vocab_size
         self.name = cfg.name or cfg.export_dir.resolve().name
         self.tok = TextTokenizer(cfg.export_dir)
-        self.metrics = Metrics(self.batch_size)
+        # a text prompt longer than this cannot fit in max_seq tokens (x2: normalizers may merge)
+        self.max_prompt_chars = 2 * self.max_seq * self.tok.max_token_chars
+        self.metrics = Metrics(self.batch_size, self.name)
+        self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="nxdc-request")
         self.state = "loading"  # loading | ready | draining | failed
         self.fatal: Fatal | None = None
         self.info: dict = {}
@@ -93,7 +105,8 @@ class Server:
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
         ]
-        self.app = Starlette(routes=routes, lifespan=self._lifespan)
+        handlers = {HTTPException: self._http_error, Exception: self._unexpected}
+        self.app = Starlette(routes=routes, lifespan=self._lifespan, exception_handlers=handlers)
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app):
@@ -102,6 +115,22 @@ class Server:
             yield
         finally:
             self.engine.close()
+            self.pool.shutdown(wait=False, cancel_futures=True)
+
+    async def _http_error(self, request: Request, exc: HTTPException) -> Response:
+        """Starlette's own errors (unknown route: 404, wrong method: 405) as OpenAI error JSON."""
+        what = {
+            404: f"no route {request.url.path}",
+            405: f"{request.method} is not allowed on {request.url.path}",
+        }
+        err = ApiError(exc.status_code, what.get(exc.status_code, str(exc.detail)))
+        self.metrics.rejected.labels(_reason(err)).inc()
+        return _error(err)
+
+    async def _unexpected(self, request: Request, exc: Exception) -> Response:
+        """The last resort: an error nxdc did not foresee is still JSON, a 500, and counted."""
+        self.metrics.rejected.labels("internal_error").inc()
+        return _error(_internal(exc))
 
     # --- engine messages ----------------------------------------------------------------------
     def _on_message(self, msg) -> None:
@@ -119,28 +148,28 @@ class Server:
                 sys.stderr.flush()
         elif isinstance(msg, Fatal):
             self.state, self.fatal = "failed", msg
-            for rid, p in list(self.pending.items()):
-                p.events.put_nowait(Failed(rid, 503, "engine_failed", msg.message))
+            self._on_events(Events([Failed(rid, 503, "engine_failed", msg.message) for rid in self.pending]))
             if self.on_fatal is not None:
                 self.on_fatal(msg)
 
     def _on_events(self, ev: Events) -> None:
         m, now = self.metrics, time.monotonic()
-        m.step.observe(ev.step_s)
+        if ev.step_s:
+            m.step.observe(ev.step_s)
         if ev.decode_rows:
             m.busy_rows.observe(ev.decode_rows)
-        m.running.set(ev.running)
-        m.waiting.set(ev.waiting)
+        m.set_rows(ev.running, ev.waiting)
         if ev.slots is not None:
             self.slots = ev.slots
         for e in ev.events:
             p = self.pending.get(e.id)
-            if p is None:  # aborted meanwhile
+            if p is None or p.done:  # aborted or timed out meanwhile
                 continue
             if isinstance(e, Started):
                 m.queue.observe(e.queue_s)
             elif isinstance(e, Token):
                 m.generation_tokens.inc()
+                p.tokens += 1
                 if p.last_token is None:
                     m.ttft.observe(now - p.arrival)
                 else:
@@ -148,15 +177,26 @@ class Server:
                 p.last_token = now
             elif isinstance(e, Done):
                 if p.last_token is None:  # finished on its first token (EOS): still its first token
-                    m.generation_tokens.inc()
                     m.ttft.observe(now - p.arrival)
+                # tokens without a Token event (a final EOS): the total equals usage.completion_tokens
+                m.generation_tokens.inc(max(0, e.completion_tokens - p.tokens))
                 m.e2e.observe(now - p.arrival)
-                m.finished.labels(e.finish_reason).inc()
                 m.prompt_tokens.inc(e.prompt_tokens)
                 m.cached_tokens.inc(e.cached_tokens)
+                self._end(e.id, p, e.finish_reason)
             elif isinstance(e, Failed):
-                m.rejected.labels(e.code).inc()
+                self._end(e.id, p, e.code)
             p.events.put_nowait(e)
+
+    def _end(self, rid: str, pend: Pending, reason: str, abort: bool = False) -> None:
+        """A request the engine took has ended: counted once, under one reason; ``abort``: the
+        engine still has it and is told to drop it."""
+        if pend.done:
+            return
+        pend.done = True
+        self.metrics.finished.labels(reason).inc()
+        if abort:
+            self.engine.send(Abort(rid))
 
     # --- plain endpoints ----------------------------------------------------------------------
     async def health(self, request: Request) -> Response:
@@ -202,20 +242,10 @@ class Server:
         try:
             self._check_key(request)
             self._check_state()
-            try:
-                body = json.loads(await request.body())
-            except (ValueError, UnicodeDecodeError) as e:
-                raise ApiError(400, f"the request body is not valid JSON ({e})") from None
-            p = api.parse(body, chat)
-            if p.model is not None and p.model != self.name:
-                raise ApiError(
-                    404,
-                    f"model '{p.model}' does not exist: this server serves '{self.name}'",
-                    "model",
-                    "model_not_found",
-                )
-            ids = self._tokenize(p)
-            max_tokens = self._budget(p, len(ids))
+            raw = await self._read_body(request)
+            loop = asyncio.get_running_loop()
+            p, ids, max_tokens = await loop.run_in_executor(self.pool, self._prepare, raw, chat)
+            self._check_state()  # again: the engine may have failed while the body was read
             if len(self.pending) >= self.cfg.max_queue:
                 raise ApiError(
                     429,
@@ -225,6 +255,9 @@ class Server:
         except ApiError as e:
             self.metrics.rejected.labels(_reason(e)).inc()
             return _error(e)
+        except Exception as e:  # a bug of nxdc's: still this request's alone
+            self.metrics.rejected.labels("internal_error").inc()
+            return _error(_internal(e))
         rid = api.new_id(chat)
         pend = self.pending[rid] = Pending(arrival=arrival)
         qt = self.cfg.queue_timeout
@@ -269,13 +302,59 @@ class Server:
         }[self.state]
         raise ApiError(503, why, code=self.state)
 
+    async def _read_body(self, request: Request) -> bytes:
+        """The body, refused with 413 as soon as it is longer than --max-body-bytes."""
+        limit = self.cfg.max_body_bytes
+        too_big = ApiError(413, f"the request body is larger than {limit} bytes (--max-body-bytes)")
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise too_big
+        parts, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_big
+            parts.append(chunk)
+        return b"".join(parts)
+
+    def _prepare(self, raw: bytes, chat: bool) -> tuple[api.Params, list[int], int]:
+        """Parse, check and tokenize one request (in the thread pool: none of it on the event
+        loop) -> its parameters, prompt ids and ``max_tokens``."""
+        p = api.parse(api.loads(raw), chat)
+        if p.model is not None and p.model != self.name:
+            raise ApiError(
+                404,
+                f"model '{p.model}' does not exist: this server serves '{self.name}'",
+                "model",
+                "model_not_found",
+            )
+        ids = self._tokenize(p)
+        return p, ids, self._budget(p, len(ids))
+
     def _tokenize(self, p: api.Params) -> list[int]:
+        param = "messages" if p.chat else "prompt"
+        if isinstance(p.prompt, list):
+            bad = next((t for t in p.prompt if not 0 <= t < self.vocab_size), None)
+            if bad is not None:
+                raise ApiError(
+                    400,
+                    f"token id {bad} is outside this model's vocabulary (0..{self.vocab_size - 1})",
+                    param,
+                )
+            return p.prompt
+        chars = len(p.prompt) if p.prompt is not None else sum(len(m["content"]) for m in p.messages)
+        if chars > self.max_prompt_chars:
+            raise ApiError(
+                400,
+                f"this model's maximum context length is {self.max_seq} tokens; the prompt has {chars} "
+                f"characters, more than {self.max_seq} tokens can hold",
+                param,
+                "context_length_exceeded",
+            )
         try:
-            if p.chat:
-                return self.tok.encode_chat(p.messages)
-            return p.prompt if isinstance(p.prompt, list) else self.tok.encode(p.prompt)
+            return self.tok.encode_chat(p.messages) if p.chat else self.tok.encode(p.prompt)
         except UserInputError as e:
-            raise ApiError(400, str(e), "messages" if p.chat else "prompt") from None
+            raise ApiError(400, str(e), param) from None
 
     def _budget(self, p: api.Params, n_prompt: int) -> int:
         """``max_tokens`` (default: the room left), refused when the cache cannot hold it."""
@@ -308,18 +387,15 @@ class Server:
         try:
             return await asyncio.wait_for(pend.events.get(), max(left, 0.0))
         except TimeoutError:
-            self._forget(rid, abort=True)
-            self.metrics.finished.labels("timeout").inc()
+            self._end(rid, pend, "timeout", abort=True)
             raise ApiError(
                 503, f"the request took longer than {limit:g} s (--request-timeout)", code="request_timeout"
             ) from None
 
-    def _forget(self, rid: str, abort: bool) -> None:
-        pend = self.pending.pop(rid, None)
-        if pend is not None and abort and not pend.done:
-            pend.done = True
-            self.engine.send(Abort(rid))
-            self.metrics.finished.labels("abort").inc()
+    def _forget(self, rid: str, pend: Pending) -> None:
+        """The response is over: a request still running (its client went away) is aborted."""
+        self._end(rid, pend, "abort", abort=True)
+        self.pending.pop(rid, None)
 
     async def _collect(self, request: Request, p: api.Params, rid: str, pend: Pending) -> Response:
         parts: list[str] = []
@@ -338,16 +414,14 @@ class Server:
                 if isinstance(e, Token):
                     parts.append(e.text)
                 elif isinstance(e, Done):
-                    pend.done = True
                     parts.append(e.text)
                     use = api.usage(e.prompt_tokens, e.completion_tokens, e.cached_tokens)
                     return JSONResponse(api.response(p, rid, self.name, "".join(parts), e.finish_reason, use))
                 elif isinstance(e, Failed):
-                    pend.done = True
                     return _error(ApiError(e.status, e.message, code=e.code))
         finally:
             gone.cancel()
-            self._forget(rid, abort=True)
+            self._forget(rid, pend)
 
     async def _stream(self, p: api.Params, rid: str, pend: Pending):
         chunks = api.Chunks(p, rid, self.name)
@@ -362,7 +436,6 @@ class Server:
                     if e.text:
                         yield chunks.text(e.text)
                 elif isinstance(e, Done):
-                    pend.done = True
                     if e.text:
                         yield chunks.text(e.text)
                     yield chunks.finish(
@@ -370,11 +443,13 @@ class Server:
                     )
                     return
                 elif isinstance(e, Failed):
-                    pend.done = True
                     yield api.Chunks.error(ApiError(e.status, e.message, code=e.code))
                     return
+        except Exception as e:  # an error nxdc did not foresee ends this stream alone, as an event
+            self.metrics.rejected.labels("internal_error").inc()
+            yield api.Chunks.error(_internal(e))
         finally:  # also when the client disconnects (the response task is cancelled)
-            self._forget(rid, abort=True)
+            self._forget(rid, pend)
 
 
 async def _disconnect(request: Request) -> None:
@@ -385,7 +460,13 @@ async def _disconnect(request: Request) -> None:
 
 
 def _reason(e: ApiError) -> str:
-    return e.code or {400: "bad_request", 401: "unauthorized"}.get(e.status, str(e.status))
+    return e.code or {400: "bad_request", 401: "unauthorized", 404: "not_found", 413: "body_too_large"}.get(
+        e.status, str(e.status)
+    )
+
+
+def _internal(e: Exception) -> ApiError:
+    return ApiError(500, f"internal error in nxdc serve: {type(e).__name__}: {e}", code="internal_error")
 
 
 def _error(e: ApiError) -> Response:

@@ -6,16 +6,21 @@ its prompt (reused, not recomputed: ``cached_tokens``), else the least recently 
 ``step``:
 
 1. requests past their queue deadline fail (503), waiting requests are admitted to free rows;
-2. at most one prefill chunk runs (``Runner.prefill_row``: up to ``prefill_chunk`` prompt tokens
-   of the oldest admitted request into its row), so the rows already decoding wait at most one
-   chunk for their next token however long an arriving prompt is;
+2. at most one prefill chunk runs (``Runner.prefill_row``: prompt tokens of the oldest admitted
+   request into its row). Its length is the step's token budget (``StepBudget``): while rows
+   are decoding, the largest chunk graph whose measured time keeps the step within
+   ``STEP_RATIO`` decode steps, so a stream waits a bounded time for its next token however
+   long an arriving prompt is; with no row decoding, ``prefill_chunk`` (nobody waits);
 3. one decode step runs over every row whose prompt is in, the idle rows untouched;
 4. each row samples with its own request's parameters and seed (a row's logits do not depend on
    the other rows, so neither do its tokens), detokenizes incrementally, checks EOS, stop
    strings (across token boundaries), ``max_tokens`` and the cache length, and emits.
 
-Aborted requests (a client gone) free their row before the next step. The runner is any
-``nxdc.runtime.runner.Runner``: tp 1 or a tensor-parallel group."""
+Aborted requests (a client gone) free their row before the next step. A failure that belongs to
+one request (a token id outside the vocabulary, sampling parameters the sampler refuses, an
+error while detokenizing or matching its stop strings) fails that request alone (``Failed``) and
+frees its row; only an error in a graph call is the engine's (it propagates: ``Fatal``). The
+runner is any ``nxdc.runtime.runner.Runner``: tp 1 or a tensor-parallel group."""
 
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ from collections import deque
 
 import torch
 
+from nxdc.errors import UserInputError
 from nxdc.generation.sampling import Sampler, SamplingParams
 from nxdc.serve.protocol import Done, Events, Failed, Started, Submit, Token
 from nxdc.serve.text import Detokenizer, StopStrings, TextTokenizer
@@ -35,13 +41,13 @@ class Seq:
     def __init__(self, msg: Submit, tokenizer: TextTokenizer, now: float):
         self.msg, self.id = msg, msg.id
         self.prompt = list(msg.prompt_ids)
-        greedy = msg.temperature <= 0
+        greedy = msg.temperature <= 0 or msg.top_p <= 0  # top_p -> 0 keeps the likeliest token alone
         self.sampler = Sampler(
             SamplingParams(
                 do_sample=not greedy,
                 temperature=1.0 if greedy else msg.temperature,
                 top_k=msg.top_k,
-                top_p=msg.top_p,
+                top_p=msg.top_p if not greedy else 1.0,
                 seed=msg.seed,
             )
         )
@@ -91,6 +97,7 @@ def shared_prefix(a: list[int], b: list[int], limit: int) -> int:
 
 
 DEFAULT_CHUNK = 128
+STEP_RATIO = 2.0  # while rows decode, a step (decode + prefill chunk) takes at most ~2 decode steps
 
 
 def default_chunk(runner) -> int:
@@ -100,6 +107,42 @@ def default_chunk(runner) -> int:
     decoding wait longer for their next token (SmolLM2 on 2 cores: ~160 ms for 128 tokens)."""
     lengths = sorted(b.length for b in runner.plan.chunks)
     return max((n for n in lengths if n <= DEFAULT_CHUNK), default=lengths[0])
+
+
+class StepBudget:
+    """Prompt tokens one engine step may prefill, from the measured times of the graphs.
+
+    With no row decoding, ``cap`` (``--prefill-chunk``): nobody waits, the prompt goes in as fast
+    as the graphs allow. With rows decoding, each of them waits for the step's prefill chunk
+    before its next token, so the chunk is the largest chunk graph (up to ``cap``) whose measured
+    time is within ``ratio - 1`` decode steps: a step then takes at most ``ratio`` decode steps.
+    If even the smallest graph takes longer, the smallest (a prompt always advances). Until a
+    graph has been timed (``warm_up`` times them all at start), it is not chosen; with nothing
+    timed, ``cap``. Times are moving averages of the engine's own calls."""
+
+    ALPHA = 0.25  # weight of the newest time in the moving average
+
+    def __init__(self, lengths: list[int], cap: int, ratio: float = STEP_RATIO):
+        self.cap, self.ratio = cap, ratio
+        self.lengths = sorted(n for n in set(lengths) if n <= cap) or [min(lengths)]
+        self.decode_s: float | None = None
+        self.chunk_s: dict[int, float] = {}
+
+    def _avg(self, old: float | None, new: float) -> float:
+        return new if old is None else old + self.ALPHA * (new - old)
+
+    def observe_decode(self, seconds: float) -> None:
+        self.decode_s = self._avg(self.decode_s, seconds)
+
+    def observe_chunk(self, graph_length: int, seconds: float) -> None:
+        self.chunk_s[graph_length] = self._avg(self.chunk_s.get(graph_length), seconds)
+
+    def limit(self, decoding: bool) -> int:
+        if not decoding or self.decode_s is None or not self.chunk_s:
+            return self.cap
+        room = (self.ratio - 1) * self.decode_s
+        fits = [n for n in self.lengths if self.chunk_s.get(n, float("inf")) <= room]
+        return max(fits) if fits else self.lengths[0]
 
 
 class Engine:
@@ -114,6 +157,7 @@ class Engine:
             raise ValueError("the export has no single-row prefill graphs")
         self.runner, self.tokenizer, self.clock = runner, tokenizer, clock
         self.chunk = min(prefill_chunk or default_chunk(runner), runner.max_chunk)
+        self.budget = StepBudget([b.length for b in runner.plan.chunks], self.chunk)
         self.slots = [Slot(i) for i in range(runner.batch_size)]
         self.waiting: deque[Seq] = deque()
         self.prefilling: deque[Seq] = deque()  # admitted, prompt not all in yet: oldest first
@@ -122,14 +166,24 @@ class Engine:
         if tokenizer.eos_token_id is not None:
             self.eos.add(tokenizer.eos_token_id)
         self._tick = 0
+        self._early: list = []  # events of requests refused on submit, sent with the next step
+        self._changed = False  # rows freed by an abort: the next step reports them
 
     # --- requests in and out ----------------------------------------------------------------
     def submit(self, msg: Submit) -> None:
-        if msg.id in self.seqs:
-            raise ValueError(f"request {msg.id} is already in the engine")
-        if not msg.prompt_ids or len(msg.prompt_ids) >= self.runner.max_seq:
-            raise ValueError(f"request {msg.id}: {len(msg.prompt_ids)} prompt tokens")
-        seq = Seq(msg, self.tokenizer, self.clock())
+        """Queue a request; one the engine cannot run fails alone (``Failed`` in the next step)."""
+        try:
+            if msg.id in self.seqs:
+                raise UserInputError(f"request {msg.id} is already in the engine")
+            if not msg.prompt_ids or len(msg.prompt_ids) >= self.runner.max_seq:
+                raise UserInputError(
+                    f"{len(msg.prompt_ids)} prompt tokens: this export takes 1 to {self.runner.max_seq - 1}"
+                )
+            self.runner.check_ids(list(msg.prompt_ids))
+            seq = Seq(msg, self.tokenizer, self.clock())
+        except Exception as e:
+            self._early.append(_failure(msg.id, e))
+            return
         self.seqs[msg.id] = seq
         self.waiting.append(seq)
 
@@ -142,10 +196,12 @@ class Engine:
             self.waiting.remove(seq)
         else:
             self._release(seq)
+        self._changed = True
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting) or any(s.seq is not None for s in self.slots)
+        """Something for ``step`` to do or to report."""
+        return bool(self.waiting or self._early or self._changed) or self.running > 0
 
     @property
     def running(self) -> int:
@@ -154,10 +210,29 @@ class Engine:
     def slot_states(self) -> list[dict]:
         return [s.state() for s in self.slots]
 
+    def warm_up(self) -> None:
+        """Run each chunk graph the budget may pick and a decode step once, on row 0 (no request
+        holds it yet), so the budget starts from measured times and no request pays a first
+        call."""
+        if self.running or self.waiting:
+            raise RuntimeError("warm_up runs before any request")
+        for n in self.budget.lengths:
+            t0 = self.clock()
+            self.runner.prefill_row(0, [0] * n, 0)
+            self.budget.observe_chunk(n, self.clock() - t0)
+        tokens = torch.zeros(self.runner.batch_size, dtype=torch.int64)
+        positions = torch.full((self.runner.batch_size,), -1, dtype=torch.int64)
+        positions[0] = 0
+        for _ in range(2):  # the first call also pages in what the chunk graphs did not touch
+            t0 = self.clock()
+            self.runner.decode(tokens, positions)
+            self.budget.observe_decode(self.clock() - t0)
+
     # --- one iteration ------------------------------------------------------------------------
     def step(self) -> Events:
         t0 = self.clock()
-        ev = Events()
+        ev = Events(events=self._early)
+        self._early, self._changed = [], False
         self._expire(ev, t0)
         self._admit(ev, t0)
         ev.prefill_tokens = self._prefill(ev)
@@ -195,15 +270,26 @@ class Engine:
         if not self.prefilling:
             return 0
         seq = self.prefilling[0]
-        n = self.runner.next_chunk(len(seq.prompt) - seq.fed, self.chunk)
+        decoding = any(s.seq is not None and not s.seq.prefilling for s in self.slots)
+        n = self.runner.next_chunk(len(seq.prompt) - seq.fed, self.budget.limit(decoding))
         chunk = seq.prompt[seq.fed : seq.fed + n]
-        logits = self.runner.prefill_row(seq.slot.index, chunk, seq.fed)
+        t0 = self.clock()
+        try:
+            logits = self.runner.prefill_row(seq.slot.index, chunk, seq.fed)
+        except UserInputError as e:  # refused before the graph ran: this request's input
+            self._fail(seq, e, ev)
+            return 0
+        self.budget.observe_chunk(self._graph(n), self.clock() - t0)
         seq.slot.held.extend(chunk)
         seq.fed += len(chunk)
         if not seq.prefilling:
             self.prefilling.popleft()
-            self._push(seq, int(seq.sampler(logits.view(1, -1))[0]), ev)
+            self._sample(seq, logits, ev)
         return len(chunk)
+
+    def _graph(self, n: int) -> int:
+        """The length of the chunk graph that runs ``n`` tokens (as ``prefill_row`` picks it)."""
+        return min((b.length for b in self.runner.plan.chunks if b.length >= n), default=n)
 
     def _decode(self, ev: Events) -> int:
         rows = [s for s in self.slots if s.seq is not None and not s.seq.prefilling]
@@ -214,12 +300,21 @@ class Engine:
         positions = torch.full((b,), -1, dtype=torch.int64)
         for s in rows:
             tokens[s.index], positions[s.index] = s.seq.out[-1], len(s.held)
+        t0 = self.clock()
         logits = self.runner.decode(tokens, positions)
+        self.budget.observe_decode(self.clock() - t0)
         for s in rows:
             seq = s.seq
             s.held.append(seq.out[-1])
-            self._push(seq, int(seq.sampler(logits[s.index].view(1, -1))[0]), ev)
+            self._sample(seq, logits[s.index], ev)
         return len(rows)
+
+    def _sample(self, seq: Seq, logits: torch.Tensor, ev: Events) -> None:
+        """Sample the request's next token and emit it; an error here is this request's alone."""
+        try:
+            self._push(seq, int(seq.sampler(logits.view(1, -1))[0]), ev)
+        except Exception as e:
+            self._fail(seq, e, ev)
 
     def _push(self, seq: Seq, token: int, ev: Events) -> None:
         """Append a sampled token; emit its text, and finish the request if it is done."""
@@ -243,6 +338,14 @@ class Engine:
         self.seqs.pop(seq.id, None)
         self._release(seq)
 
+    def _fail(self, seq: Seq, error: Exception, ev: Events) -> None:
+        """End one request with an error and free its row (whose cache is not reused)."""
+        ev.events.append(_failure(seq.id, error))
+        self.seqs.pop(seq.id, None)
+        if seq.slot is not None:
+            seq.slot.held.clear()
+            self._release(seq)
+
     def _release(self, seq: Seq) -> None:
         slot = seq.slot
         if seq in self.prefilling:
@@ -250,3 +353,10 @@ class Engine:
         slot.seq, seq.slot = None, None
         self._tick += 1
         slot.last_used = self._tick
+
+
+def _failure(request_id: str, error: Exception) -> Failed:
+    """A request's own error: 400 for input the engine refuses, 500 for anything else."""
+    if isinstance(error, UserInputError):
+        return Failed(request_id, 400, "invalid_request", str(error))
+    return Failed(request_id, 500, "internal_error", f"{type(error).__name__}: {error}")

@@ -147,12 +147,14 @@ def main(argv: list[str] | None = None) -> int:
 
         runner = open_runner(a.export_dir, threads=a.threads)
         engine = Engine(runner, TextTokenizer(a.export_dir), a.prefill_chunk)
+        engine.warm_up()
         conn.send(
             Ready(
                 {
                     "batch_size": runner.batch_size,
                     "max_seq": runner.max_seq,
                     "prefill_chunk": engine.chunk,
+                    "vocab_size": runner.vocab_size,
                     "threads": runner.threads,
                     "tp": runner.plan.tp,
                 }

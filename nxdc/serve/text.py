@@ -53,6 +53,12 @@ class TextTokenizer:
         }
         self.clean_up_spaces = bool(self.config.get("clean_up_tokenization_spaces", False))
 
+    @cached_property
+    def max_token_chars(self) -> int:
+        """Characters of the vocabulary's longest token (as the tokenizer stores it: at least as
+        many as the text it stands for)."""
+        return max(map(len, self._tok.get_vocab(with_added_tokens=True)), default=1)
+
     @property
     def eos_token_id(self) -> int | None:
         eos = self.special.get("eos_token")
