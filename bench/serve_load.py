@@ -232,6 +232,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--hol-seconds", type=float, default=30.0)
     ap.add_argument("--soak", type=int, default=2000)
+    ap.add_argument("--nxdc-args", default="", help="more `nxdc serve` options, e.g. '--step-budget 3'")
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "bench-serve.json")
     args = ap.parse_args()
     for tool in ("llama-server", "llama-quantize"):
@@ -270,6 +271,7 @@ def main() -> None:
                 str(args.threads),
                 "--max-queue",
                 "256",
+                *args.nxdc_args.split(),
             ],
             env=env,
             stdout=subprocess.DEVNULL,
@@ -363,6 +365,7 @@ def main() -> None:
         "llama_cpp_type": FORMATS[args.weights],
         "llama_cpp_version": (version.stdout + version.stderr).strip().splitlines()[0],
         "threads": args.threads,
+        "nxdc_args": args.nxdc_args,
         "rounds": args.rounds,
         "machine": machine_info(args.threads),
         "runs": runs,

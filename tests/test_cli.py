@@ -298,3 +298,16 @@ class TestGenerate:
         )
         assert code == 0, err
         assert out.strip() == full[: full.index(stop)].strip()
+
+
+@pytest.mark.parametrize(
+    "option, value, needle",
+    [
+        ("--step-budget", "0.5", "--step-budget must be 0 (off) or at least 1"),
+        ("--step-budget", "nan", "--step-budget must be 0 (off) or at least 1"),
+        ("--max-body-bytes", "0", "--max-body-bytes must be a positive integer"),
+        ("--prefill-chunk", "-4", "--prefill-chunk must be a positive integer"),
+    ],
+)
+def test_serve_refuses_bad_options_in_one_line(tmp_path, option, value, needle):
+    assert_error(["serve", tmp_path, option, value, "--port", "0"], 2, needle)

@@ -419,16 +419,19 @@ def test_step_budget_keeps_decoding_rows_within_two_decode_steps(tok):
 
 
 @pytest.mark.parametrize(
-    "decode_s, chunk_s, decoding, want",
+    "decode_s, chunk_s, decoding, waiting, want",
     [
-        (0.02, {8: 0.012, 32: 0.05}, True, 8),
-        (0.02, {8: 0.012, 32: 0.05}, False, 32),
-        (0.005, {8: 0.012, 32: 0.05}, True, 8),  # none fits: the smallest, so the prompt advances
-        (None, {}, True, 32),  # nothing measured yet: the cap
-        (0.05, {8: 0.012, 32: 0.05}, True, 32),
+        (0.02, {8: 0.012, 32: 0.05}, True, 1, 8),
+        (0.02, {8: 0.012, 32: 0.05}, False, 1, 32),
+        (0.005, {8: 0.012, 32: 0.05}, True, 1, 8),  # none fits: the smallest, so the prompt advances
+        (None, {}, True, 1, 32),  # nothing measured yet: the cap
+        (0.05, {8: 0.012, 32: 0.05}, True, 1, 32),
+        (0.02, {8: 0.012, 32: 0.05}, True, 2, 8),  # 2 waiting for a first token: 40 ms of room
+        (0.02, {8: 0.012, 32: 0.05}, True, 3, 32),  # 3: 60 ms, the 32-token graph fits
+        (0.02, {8: 0.012, 32: 0.05}, True, 0, 8),  # never less than one request's room
     ],
 )
-def test_step_budget_limits(decode_s, chunk_s, decoding, want):
+def test_step_budget_limits(decode_s, chunk_s, decoding, waiting, want):
     from nxdc.serve.engine import StepBudget
 
     b = StepBudget([8, 32, 128], cap=32)
@@ -436,4 +439,14 @@ def test_step_budget_limits(decode_s, chunk_s, decoding, want):
         b.observe_decode(decode_s)
     for n, s in chunk_s.items():
         b.observe_chunk(n, s)
-    assert b.limit(decoding) == want
+    assert b.limit(decoding, waiting) == want
+
+
+def test_step_budget_off_takes_the_cap():
+    from nxdc.serve.engine import StepBudget
+
+    b = StepBudget([8, 32], cap=32, ratio=0)
+    b.observe_decode(0.02)
+    b.observe_chunk(8, 0.012)
+    b.observe_chunk(32, 0.05)
+    assert b.limit(True, 1) == 32

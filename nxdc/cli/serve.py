@@ -42,6 +42,13 @@ def serve(
         help="Most prompt tokens per engine step. While streams decode, a step takes the largest chunk "
         "graph that keeps it within 2 decode steps (measured). \\[default: the largest chunk graph <= 128]",
     ),
+    step_budget: float = typer.Option(
+        None,
+        "--step-budget",
+        help="While streams decode, a step (decode + prefill chunk) may take up to this many decode "
+        "steps per request waiting for its first token; higher: faster prefill (TTFT, throughput), "
+        "lower: steadier streams; 0: no budget (--prefill-chunk every step). \\[default: 2]",
+    ),
     threads: int = typer.Option(
         None, "--threads", help="CPU threads of the engine. \\[default: cores available]"
     ),
@@ -74,6 +81,8 @@ def serve(
     ):
         if value is not None and value < 1:
             raise UserInputError(f"--{name} must be a positive integer (got {value})")
+    if step_budget is not None and not (step_budget == 0 or 1 <= step_budget < float("inf")):
+        raise UserInputError(f"--step-budget must be 0 (off) or at least 1 decode step (got {step_budget})")
     for name, value in (("queue-timeout", queue_timeout), ("request-timeout", request_timeout)):
         if value is not None and value <= 0:
             raise UserInputError(f"--{name} must be a positive number of seconds (got {value})")
@@ -91,6 +100,7 @@ def serve(
         queue_timeout=queue_timeout,
         request_timeout=request_timeout,
         prefill_chunk=prefill_chunk,
+        step_budget=step_budget,
         threads=threads,
         max_body_bytes=max_body_bytes,
         quiet=quiet,

@@ -194,7 +194,7 @@ def parse(body, chat: bool) -> Params:
     seed = _number(body, "seed", None, *SEED_RANGE, kind=int)
     temperature = _number(body, "temperature", 1.0, 0.0, MAX_TEMPERATURE)
     top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
-    if top_p == 0:  # the nucleus shrinks to the likeliest token alone: greedy (as vLLM treats it)
+    if top_p == 0:  # the nucleus shrinks to the likeliest token alone: greedy, whatever the temperature
         temperature, top_p = 0.0, 1.0
     return Params(
         chat=chat,

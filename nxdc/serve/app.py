@@ -48,6 +48,7 @@ class ServeConfig:
     queue_timeout: float | None = None  # seconds a request may wait for a batch row
     request_timeout: float | None = None  # seconds a request may take in all
     prefill_chunk: int | None = None
+    step_budget: float | None = None  # None: the engine's default (STEP_RATIO)
     threads: int | None = None
     max_body_bytes: int = 1 << 20  # larger bodies get 413
     quiet: bool = False
@@ -96,7 +97,8 @@ class Server:
         self.slots: list[dict] = []
         self.pending: dict[str, Pending] = {}
         self.on_fatal = None  # called once the engine fails (the CLI stops uvicorn)
-        self.engine = EngineClient(cfg.export_dir, cfg.threads, cfg.prefill_chunk, self._on_message)
+        options = {"threads": cfg.threads, "prefill-chunk": cfg.prefill_chunk, "step-budget": cfg.step_budget}
+        self.engine = EngineClient(cfg.export_dir, options, self._on_message)
         routes = [
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.prometheus, methods=["GET"]),
@@ -142,7 +144,8 @@ class Server:
                 i = msg.info
                 sys.stderr.write(
                     f"nxdc serve: {self.name} ready on http://{self.cfg.host}:{self.cfg.port} "
-                    f"(batch {i['batch_size']}, sequence {i['max_seq']}, prefill chunk {i['prefill_chunk']}, "
+                    f"(batch {i['batch_size']}, sequence {i['max_seq']}, prefill chunk {i['prefill_chunk']} "
+                    f"({i['prefill_chunk_beside_decoding']} beside decoding streams), "
                     f"tp {i['tp']}, {i['threads']} threads)\n"
                 )
                 sys.stderr.flush()

@@ -9,8 +9,9 @@ its prompt (reused, not recomputed: ``cached_tokens``), else the least recently 
 2. at most one prefill chunk runs (``Runner.prefill_row``: prompt tokens of the oldest admitted
    request into its row). Its length is the step's token budget (``StepBudget``): while rows
    are decoding, the largest chunk graph whose measured time keeps the step within
-   ``STEP_RATIO`` decode steps, so a stream waits a bounded time for its next token however
-   long an arriving prompt is; with no row decoding, ``prefill_chunk`` (nobody waits);
+   ``STEP_RATIO`` decode steps (more when several requests wait for their first token), so a
+   stream waits a bounded time for its next token however long an arriving prompt is; with no
+   row decoding, ``prefill_chunk`` (nobody waits);
 3. one decode step runs over every row whose prompt is in, the idle rows untouched;
 4. each row samples with its own request's parameters and seed (a row's logits do not depend on
    the other rows, so neither do its tokens), detokenizes incrementally, checks EOS, stop
@@ -114,11 +115,16 @@ class StepBudget:
 
     With no row decoding, ``cap`` (``--prefill-chunk``): nobody waits, the prompt goes in as fast
     as the graphs allow. With rows decoding, each of them waits for the step's prefill chunk
-    before its next token, so the chunk is the largest chunk graph (up to ``cap``) whose measured
-    time is within ``ratio - 1`` decode steps: a step then takes at most ``ratio`` decode steps.
+    before its next token, while the requests that wait for their first token (prefilling or
+    queued) wait for the prompts ahead of them: the chunk is the largest chunk graph (up to
+    ``cap``) whose measured time is within ``ratio - 1`` decode steps per request waiting for its
+    first token. One long prompt arriving beside running streams then goes in small chunks (a
+    step takes at most ``ratio`` decode steps); a backlog of prompts gets longer chunks, which
+    cost less per token (every graph call reads all the weights once), so neither side starves.
     If even the smallest graph takes longer, the smallest (a prompt always advances). Until a
     graph has been timed (``warm_up`` times them all at start), it is not chosen; with nothing
-    timed, ``cap``. Times are moving averages of the engine's own calls."""
+    timed, ``cap``; ``ratio`` 0: no budget, ``cap`` always. Times are moving averages of the
+    engine's own calls."""
 
     ALPHA = 0.25  # weight of the newest time in the moving average
 
@@ -137,10 +143,10 @@ class StepBudget:
     def observe_chunk(self, graph_length: int, seconds: float) -> None:
         self.chunk_s[graph_length] = self._avg(self.chunk_s.get(graph_length), seconds)
 
-    def limit(self, decoding: bool) -> int:
-        if not decoding or self.decode_s is None or not self.chunk_s:
+    def limit(self, decoding: bool, first_token_waiting: int = 1) -> int:
+        if not decoding or self.ratio <= 0 or self.decode_s is None or not self.chunk_s:
             return self.cap
-        room = (self.ratio - 1) * self.decode_s
+        room = (self.ratio - 1) * self.decode_s * max(1, first_token_waiting)
         fits = [n for n in self.lengths if self.chunk_s.get(n, float("inf")) <= room]
         return max(fits) if fits else self.lengths[0]
 
@@ -151,13 +157,15 @@ class Engine:
         runner,
         tokenizer: TextTokenizer,
         prefill_chunk: int | None = None,
+        step_budget: float | None = None,
         clock=time.monotonic,
     ):
         if runner.max_chunk < 1:
             raise ValueError("the export has no single-row prefill graphs")
         self.runner, self.tokenizer, self.clock = runner, tokenizer, clock
         self.chunk = min(prefill_chunk or default_chunk(runner), runner.max_chunk)
-        self.budget = StepBudget([b.length for b in runner.plan.chunks], self.chunk)
+        ratio = STEP_RATIO if step_budget is None else step_budget
+        self.budget = StepBudget([b.length for b in runner.plan.chunks], self.chunk, ratio)
         self.slots = [Slot(i) for i in range(runner.batch_size)]
         self.waiting: deque[Seq] = deque()
         self.prefilling: deque[Seq] = deque()  # admitted, prompt not all in yet: oldest first
@@ -271,7 +279,8 @@ class Engine:
             return 0
         seq = self.prefilling[0]
         decoding = any(s.seq is not None and not s.seq.prefilling for s in self.slots)
-        n = self.runner.next_chunk(len(seq.prompt) - seq.fed, self.budget.limit(decoding))
+        limit = self.budget.limit(decoding, len(self.prefilling) + len(self.waiting))
+        n = self.runner.next_chunk(len(seq.prompt) - seq.fed, limit)
         chunk = seq.prompt[seq.fed : seq.fed + n]
         t0 = self.clock()
         try:

@@ -30,8 +30,10 @@ class EngineClient:
     thread keeps a full socket from blocking the event loop), and hand each message it sends
     to ``on_message`` on the asyncio loop."""
 
-    def __init__(self, export_dir: Path, threads: int | None, prefill_chunk: int | None, on_message):
-        self.export_dir, self.threads, self.prefill_chunk = export_dir, threads, prefill_chunk
+    def __init__(self, export_dir: Path, options: dict, on_message):
+        """``options``: the engine's command-line options by name (``threads``, ``prefill-chunk``,
+        ``step-budget``); None: the engine's default."""
+        self.export_dir, self.options = export_dir, options
         self.on_message = on_message
         self.proc: subprocess.Popen | None = None
         self.conn: Connection | None = None
@@ -48,10 +50,9 @@ class EngineClient:
             "--fd",
             str(theirs.fileno()),
         ]
-        if self.threads:
-            args += ["--threads", str(self.threads)]
-        if self.prefill_chunk:
-            args += ["--prefill-chunk", str(self.prefill_chunk)]
+        for name, value in self.options.items():
+            if value is not None:
+                args += [f"--{name}", str(value)]
         self.proc = subprocess.Popen(args, pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
         theirs.close()
         self.conn = Connection(ours.detach())
@@ -130,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fd", type=int, required=True)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--prefill-chunk", type=int, default=None)
+    ap.add_argument("--step-budget", type=float, default=None)
     a = ap.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the HTTP process drains, then stops us
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -146,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         from nxdc.serve.text import TextTokenizer
 
         runner = open_runner(a.export_dir, threads=a.threads)
-        engine = Engine(runner, TextTokenizer(a.export_dir), a.prefill_chunk)
+        engine = Engine(runner, TextTokenizer(a.export_dir), a.prefill_chunk, a.step_budget)
         engine.warm_up()
         conn.send(
             Ready(
@@ -154,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
                     "batch_size": runner.batch_size,
                     "max_seq": runner.max_seq,
                     "prefill_chunk": engine.chunk,
+                    "prefill_chunk_beside_decoding": engine.budget.limit(decoding=True),
                     "vocab_size": runner.vocab_size,
                     "threads": runner.threads,
                     "tp": runner.plan.tp,
