@@ -34,7 +34,17 @@ def main() -> None:
         rates, tokens = [], None
         for _ in range(args.runs):
             res = subprocess.run(
-                [*NXDC, "generate", str(d), "--chat", "-n", str(args.new_tokens), "--prompt", PROMPT, "--json"],
+                [
+                    *NXDC,
+                    "generate",
+                    str(d),
+                    "--chat",
+                    "-n",
+                    str(args.new_tokens),
+                    "--prompt",
+                    PROMPT,
+                    "--json",
+                ],
                 check=True,
                 capture_output=True,
                 text=True,
@@ -42,7 +52,11 @@ def main() -> None:
             r = json.loads(res.stdout)
             rates.append(r["stats"]["decode_tokens_per_s"])
             tokens = r["results"][0]["token_ids"]
-        out["modes"][mode] = {"decode_tokens_per_s": rates, "median": statistics.median(rates), "tokens": tokens}
+        out["modes"][mode] = {
+            "decode_tokens_per_s": rates,
+            "median": statistics.median(rates),
+            "tokens": tokens,
+        }
         print(mode, "decode tok/s median", statistics.median(rates), rates, flush=True)
     same = out["modes"]["in-place"]["tokens"] == out["modes"]["functional"]["tokens"]
     out["same_tokens"] = same
