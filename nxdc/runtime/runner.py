@@ -52,7 +52,9 @@ class Runner:
 
     def check_ids(self, ids) -> None:
         """Refuse token ids outside the vocabulary before they reach a compiled graph (an
-        embedding lookup there reads out of bounds or aborts the process)."""
+        embedding lookup there reads out of bounds or aborts the process). Called where ids come
+        from outside the model (prompts, draft tokens); ``decode`` feeds back the model's own
+        samples, which are in range, and stays free of the check."""
         t = torch.as_tensor(ids)
         if t.numel() and (int(t.min()) < 0 or int(t.max()) >= self.vocab_size):
             bad = next(int(i) for i in t.flatten().tolist() if not 0 <= i < self.vocab_size)
@@ -121,7 +123,6 @@ class Runner:
         busy = (positions >= 0).nonzero().flatten().tolist()
         if not busy:
             raise ValueError("decode: every row is idle")
-        self.check_ids(tokens[busy])
         bucket = pick_decode_bucket(self.plan.decode, int(positions.max()))
         if not self.idle_rows:
             idle = positions < 0
