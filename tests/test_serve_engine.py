@@ -28,6 +28,7 @@ class FakeRunner:
 
     next_chunk = Runner.next_chunk  # the real chunking policy
     check_ids = Runner.check_ids  # and the real refusal of ids outside the vocabulary
+    chunk_bucket = Runner.chunk_bucket
     vocab_size = VOCAB
 
     def __init__(self, batch=4, max_seq=64, chunk=8, eos_bias=0.0, chunks=None):
@@ -378,7 +379,7 @@ class TimedRunner(FakeRunner):
         self.now, self.decode_s, self.per_token, self.fixed = now, decode_s, per_token, fixed
 
     def prefill_row(self, row, ids, start):
-        graph = min(b.length for b in self.plan.chunks if b.length >= len(ids))
+        graph = self.chunk_bucket(len(ids)).length
         self.now[0] += self.fixed + self.per_token * graph
         return super().prefill_row(row, ids, start)
 

@@ -72,6 +72,10 @@ class Runner:
         graphs and cannot serve)."""
         return max((b.length for b in self.plan.chunks), default=0)
 
+    def chunk_bucket(self, n: int) -> Bucket:
+        """The chunk graph that ``prefill_row`` runs ``n`` prompt tokens in: the smallest that holds them."""
+        return min((b for b in self.plan.chunks if b.length >= n), key=lambda b: b.length)
+
     def next_chunk(self, remaining: int, limit: int) -> int:
         """How many of ``remaining`` prompt tokens the next ``prefill_row`` call should take, at
         most ``limit``. A chunk graph costs about its length however few of its positions are
@@ -166,7 +170,7 @@ class Runner:
         if not 0 <= row < self.batch_size or start < 0 or start + n > self.max_seq:
             raise ValueError(f"prefill_row: row {row}, positions {start}..{start + n - 1} outside the cache")
         self.check_ids(ids)
-        bucket = min((b for b in self.plan.chunks if b.length >= n), key=lambda b: b.length)
+        bucket = self.chunk_bucket(n)
         x = torch.zeros((1, bucket.length), dtype=torch.int64)
         x[0, :n] = torch.tensor(ids, dtype=torch.int64)
         scalar = lambda v: torch.tensor([v], dtype=torch.int64)  # noqa: E731

@@ -288,17 +288,13 @@ class Engine:
         except UserInputError as e:  # refused before the graph ran: this request's input
             self._fail(seq, e, ev)
             return 0
-        self.budget.observe_chunk(self._graph(n), self.clock() - t0)
+        self.budget.observe_chunk(self.runner.chunk_bucket(n).length, self.clock() - t0)
         seq.slot.held.extend(chunk)
         seq.fed += len(chunk)
         if not seq.prefilling:
             self.prefilling.popleft()
             self._sample(seq, logits, ev)
         return len(chunk)
-
-    def _graph(self, n: int) -> int:
-        """The length of the chunk graph that runs ``n`` tokens (as ``prefill_row`` picks it)."""
-        return min((b.length for b in self.runner.plan.chunks if b.length >= n), default=n)
 
     def _decode(self, ev: Events) -> int:
         rows = [s for s in self.slots if s.seq is not None and not s.seq.prefilling]
