@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from nxdc.kernels import ensure_loaded  # noqa: E402
-from nxdc.kernels.quant import quantize_int8  # noqa: E402
+from nxdc.model.quant import quantize_int8  # noqa: E402
 from nxdc.runtime.arena import HostArena  # noqa: E402
 
 HIDDEN, INTER, KV, LAYERS, VOCAB = 576, 1536, 192, 30, 49152

@@ -33,7 +33,16 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-FORMATS = {"fp32": "F32", "fp16": "F16", "bf16": "BF16", "int8": "Q8_0"}  # nxdc --weights -> llama.cpp type
+# nxdc --weights -> llama.cpp type (int8 / int4 / int4-sym: groups of 32, as Q8_0 / Q4_1 / Q4_0)
+ALL_FORMATS = {
+    "fp32": "F32",
+    "fp16": "F16",
+    "bf16": "BF16",
+    "int8": "Q8_0",
+    "int4": "Q4_1",
+    "int4-sym": "Q4_0",
+}
+FORMATS = dict(ALL_FORMATS)
 
 
 def gguf_for(bin_dir: Path, src: Path, ftype: str) -> Path:
@@ -82,7 +91,11 @@ def main() -> None:
     ap.add_argument("--prompt-length", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=96)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--formats", default=",".join(ALL_FORMATS), help=f"of {', '.join(ALL_FORMATS)}")
+    ap.add_argument("--out", type=Path, default=ROOT / "docs" / "bench-llamacpp.json")
     args = ap.parse_args()
+    FORMATS.clear()
+    FORMATS.update({w: ALL_FORMATS[w] for w in args.formats.split(",")})
     args.batches = [int(b) for b in args.batch_sizes.split(",")]
     tools = ("llama-batched-bench", "llama-quantize")
     missing = [n for n in tools if not (args.llama_bin / n).is_file()]
@@ -122,7 +135,7 @@ def main() -> None:
         "llama_cpp_types": FORMATS,
         "tokens_per_s": rows,
     }
-    (ROOT / "docs" / "bench-llamacpp.json").write_text(json.dumps(out, indent=1))
+    args.out.write_text(json.dumps(out, indent=1))
 
     def med(k: str, who: str) -> float:
         return statistics.median(rows[k][who])

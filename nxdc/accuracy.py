@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 
 from nxdc.compile.trace import wants_kernels
-from nxdc.export import prepare, write_weights
+from nxdc.export import gguf_weight_map, prepare, write_weights
+from nxdc.model import weight_format
 from nxdc.model.decoder import Decoder, kv_cache_names, tie_lm_head
 from nxdc.model.dtypes import TORCH_DTYPES
 from nxdc.model.layers import use_kernels
@@ -67,8 +68,10 @@ def measure_formats(
     out, ref = [], None
     with tempfile.TemporaryDirectory(prefix="nxdc-accuracy-") as tmp:
         for i, fmt in enumerate(["fp32", *formats]):
-            w = None if fmt == "fp32" else fmt
-            p = dataclasses.replace(plan, weights=w, kv_cache=stored_kv_cache(kv, w, "fp32") if i else None)
+            w, wmap = _resolved(fmt, src, spec, plan)
+            p = dataclasses.replace(
+                plan, weights=w, weight_map=wmap, kv_cache=stored_kv_cache(kv, w, "fp32") if i else None
+            )
             path = Path(tmp) / f"{i}-{fmt}.safetensors"
             write_weights(src, spec, p, 0, path)
             got = _logits(spec, p, path, ids)
@@ -92,6 +95,15 @@ def measure_formats(
     return out
 
 
+def _resolved(fmt: str, src, spec, plan) -> tuple[str | None, dict | None]:
+    """A ``--weights`` value as the plan holds it: canonical name, and ``auto``'s module map."""
+    if fmt == "fp32":
+        return None, None
+    if fmt == weight_format.AUTO:
+        return (weight_format.GGUF, gguf_weight_map(src, spec, plan)) if src.kind == "gguf" else (None, None)
+    return weight_format.from_user(fmt).name, None
+
+
 def _tokens(src, text: str, limit: int) -> torch.Tensor:
     with tempfile.TemporaryDirectory() as d:
         src.save_tokenizer(Path(d))
@@ -111,6 +123,7 @@ def _logits(spec, plan, path: Path, ids: torch.Tensor) -> torch.Tensor:
         plan.sequence_length,
         TORCH_DTYPES[plan.dtype],
         weights=plan.weights,
+        weight_map=plan.weight_map,
         kv_dtype=TORCH_DTYPES[plan.kv_format],
     ).eval()
     state = load_file(str(path))

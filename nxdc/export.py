@@ -36,14 +36,17 @@ from nxdc.compile.trace import (
 from nxdc.errors import UnsupportedError, UserInputError
 from nxdc.kernels import LIBRARY, kernel_digest, loaded_library
 from nxdc.kernels import status as kernel_status
-from nxdc.kernels.quant import quantize_int8
 from nxdc.manifest import MANIFEST, Artifact, FileRef, Manifest
+from nxdc.model import weight_format
 from nxdc.model.dtypes import TORCH_DTYPES
 from nxdc.model.fused import checkpoint_targets, combine, part_shape
+from nxdc.model.layers import Embedding, Linear
+from nxdc.model.quant import quantize_int4, quantize_int8
 from nxdc.model.sharding import expert_intermediate, shard_layout
 from nxdc.plan import ExportOptions, ExportPlan, kv_cache_bytes, make_plan, planned_spec
 from nxdc.progress import NullReporter, Reporter
 from nxdc.spec import ModelSpec
+from nxdc.weights.gguf_quant import requantize
 from nxdc.weights.shard import rank_tensor
 from nxdc.weights.sources import ModelSource, resolve
 
@@ -86,9 +89,47 @@ def prepare(
     plan = make_plan(spec, opts)
     get_backend(plan.backend, plan.device)  # refuses an unavailable backend or device now
     spec = planned_spec(spec, opts)
+    if plan.weights == weight_format.AUTO:  # a GGUF file's own formats, else the compute dtype
+        keep = src.kind == "gguf"
+        plan = dataclasses.replace(
+            plan,
+            weights=weight_format.GGUF if keep else None,
+            weight_map=gguf_weight_map(src, spec, plan) if keep else None,
+        )
     if opts.num_layers:  # the export's config.json describes the model it holds
         cfg = {**cfg, "num_hidden_layers": opts.num_layers}
     return src, cfg, spec, plan
+
+
+def gguf_weight_map(src: ModelSource, spec: ModelSpec, plan: ExportPlan) -> dict[str, str]:
+    """``--weights auto`` on a GGUF file: {Decoder module: format} for every linear layer and the
+    embedding whose GGUF types nxdc keeps as stored (``weights/gguf_quant.py``; a fused q/k/v or
+    gate/up takes one format that holds all its parts), where every rank's cut of its inputs falls
+    on a group boundary. Modules left out are dequantized into the compute dtype."""
+    from nxdc.weights.gguf_quant import common_format, kept_format
+
+    arch = get_arch(spec.arch)
+    checkpoint = meta_decoder(spec, dataclasses.replace(plan, tp=1, weights=None, weight_map=None))
+    ranked = meta_decoder(spec, dataclasses.replace(plan, weights=None, weight_map=None))
+    targets = checkpoint_targets(checkpoint)
+    parts: dict[str, list] = {}
+    for hf_name, t in src.tensors(spec):
+        name = arch.weight_name(hf_name)
+        target = targets.get(name) if name is not None else None
+        if target is None or not target.stored.endswith(".weight") or target.experts:
+            continue
+        module = target.stored.rpartition(".")[0]
+        if module.endswith("router") or not isinstance(checkpoint.get_submodule(module), (Linear, Embedding)):
+            continue
+        parts.setdefault(module, [None] * target.count)[target.index] = kept_format(t.type_name)
+    out = {}
+    for module, formats in parts.items():
+        f = common_format(formats)
+        if f is not None and ranked.get_submodule(module).weight.shape[1] % f.group == 0:
+            out[module] = f.name
+    if spec.tie_word_embeddings and "embed_tokens" in out:  # the lm_head is the embedding
+        out["lm_head"] = out["embed_tokens"]
+    return out
 
 
 def write_weights(src: ModelSource, spec: ModelSpec, plan: ExportPlan, rank: int, path: Path) -> FileRef:
@@ -101,11 +142,12 @@ def write_weights(src: ModelSource, spec: ModelSpec, plan: ExportPlan, rank: int
         )
     layout = shard_layout(spec, plan.tp)
     tp1 = shard_layout(spec, 1)
-    checkpoint = meta_decoder(spec, dataclasses.replace(plan, tp=1))
+    checkpoint = meta_decoder(spec, dataclasses.replace(plan, tp=1, weights=None))
     full = checkpoint.state_dict()  # checkpoint shapes
     targets = checkpoint_targets(checkpoint)
-    meta = meta_decoder(spec, plan).stored_state()
-    expected = {n: tuple(p.shape) for n, p in meta.items()}
+    meta = meta_decoder(spec, plan).stored_state()  # what is stored (quantized: + scales, mins)
+    dense = meta_decoder(spec, dataclasses.replace(plan, weights=None)).stored_state()
+    expected = {n: tuple(p.shape) for n, p in dense.items()}  # this rank's shapes before quantizing
     dtype = TORCH_DTYPES[plan.dtype]
     tensors: dict[str, torch.Tensor] = {}
     parts: dict[str, dict[int, torch.Tensor]] = {}  # combined name -> this rank's parts so far
@@ -120,6 +162,11 @@ def write_weights(src: ModelSource, spec: ModelSpec, plan: ExportPlan, rank: int
             raise UserInputError(
                 f"{src.name}: weight {hf_name} has shape {tuple(t.shape)}, the config implies {tuple(want)}"
             )
+        module = stored.rpartition(".")[0]
+        fmt = weight_format.module_format(plan.weights, module, plan.weight_map) if plan.weights else None
+        kept = plan.weights == weight_format.GGUF and fmt is not None and stored.endswith(".weight")
+        if kept:  # values, scales and mins through the same cuts ([rows, K, 3])
+            t = t.with_params()
         w = rank_tensor(target.role, name.rpartition(".")[2], t, spec, layout, rank).to(dtype)
         if target.count > 1:  # a q/k/v, gate/up or expert part (model/fused.py)
             got = parts.setdefault(stored, {})
@@ -128,10 +175,18 @@ def write_weights(src: ModelSource, spec: ModelSpec, plan: ExportPlan, rank: int
                 continue
             w = combine(target, [got[i] for i in range(target.count)])
             del parts[stored]
+        if kept:
+            w, s, m = w.unbind(-1)
         if tuple(w.shape) != expected[stored]:  # a sharding bug, not a user error
             raise AssertionError(f"{stored}: rank {rank} shard {tuple(w.shape)} != {expected[stored]}")
-        tensors.update(stored_tensors(stored, w, meta[stored].dtype))
-    missing = sorted(set(expected) - set(tensors))
+        if kept:
+            q, scale, mins = requantize(w, s, m, weight_format.parse(fmt), f"{src.name}: {hf_name}")
+            tensors.update(
+                {stored: q, f"{module}.scale": scale, **({f"{module}.min": mins} if mins is not None else {})}
+            )
+        else:
+            tensors.update(stored_tensors(stored, w, meta[stored].dtype, fmt))
+    missing = sorted(set(meta) - set(tensors))
     if missing:
         raise UserInputError(f"{src.name}: weights missing from the checkpoint: {', '.join(missing[:5])}")
     save_file(tensors, os.fspath(path), metadata={"format": "pt"})
@@ -148,13 +203,26 @@ def copy_kernel_library(export_dir: Path) -> FileRef:
     return FileRef(path=f"kernels/{LIBRARY}", sha256=sha256_file(dest), bytes=dest.stat().st_size)
 
 
-def stored_tensors(name: str, w: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """A weight as the model stores it: cast, or (int8) quantized per output row with its
-    ``scale`` beside it (``--weights``, docs/weights.md)."""
-    if dtype == torch.int8:
-        q, scale = quantize_int8(w)
-        return {name: q, f"{name.rpartition('.')[0]}.scale": scale}
-    return {name: w.to(dtype).contiguous()}
+def stored_tensors(
+    name: str, w: torch.Tensor, dtype: torch.dtype, fmt: str | None
+) -> dict[str, torch.Tensor]:
+    """A weight as the model stores it (``dtype``: its parameter's): cast, or quantized in the
+    plan's format ``fmt`` with its ``scale`` (and ``min``) beside it (``--weights``, docs/weights.md)."""
+    if dtype not in (torch.int8, torch.uint8):
+        return {name: w.to(dtype).contiguous()}
+    f = weight_format.parse(fmt)
+    base = name.rpartition(".")[0]
+    if f.kind == "int4":
+        q, scale, mins = quantize_int4(w, f.group, f.asym)
+    else:
+        q, scale = quantize_int8(w, f.group)
+        mins = None
+        if f.asym:
+            raise UnsupportedError(f"--weights {fmt}: int8 with mins is kept from GGUF files only")
+    out = {name: q, f"{base}.scale": scale}
+    if mins is not None:
+        out[f"{base}.min"] = mins
+    return out
 
 
 def compile_bucket(

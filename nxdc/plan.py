@@ -14,6 +14,7 @@ from typing import Any
 from nxdc.archs import spec_from_config
 from nxdc.compile.buckets import Bucket, context_buckets
 from nxdc.errors import UnsupportedError, UserInputError
+from nxdc.model import weight_format
 from nxdc.model.sharding import check_tp, shard_layout
 from nxdc.spec import ModelSpec
 
@@ -45,7 +46,7 @@ class ExportOptions:
     backend: str = "inductor"
     device: str = "cpu"
     speculation_length: int = 0  # K > 0: add verify graphs (K+1 tokens per call) for speculation
-    weights: str | None = None  # storage of linear-layer weights: fp32 | fp16 | bf16 | int8 (default: dtype)
+    weights: str | None = None  # storage of linear-layer weights (model/weight_format.py; default: dtype)
     kv_cache: str | None = None  # storage of the KV cache: fp32 | fp16 | bf16 (default: stored_kv_cache)
     num_layers: int | None = None  # keep only the first L layers (a self-draft for speculation)
     # `nxdc serve`: single-row prefill graphs of these chunk lengths (docs/serve.md)
@@ -70,9 +71,10 @@ class ExportPlan:
     buckets: tuple[Bucket, ...]
     speculation_length: int = 0
     source_num_layers: int | None = None  # set when --num-layers truncated the model
-    weights: str | None = None  # None: stored in ``dtype``
+    weights: str | None = None  # canonical format name (model/weight_format.py); None: ``dtype``
     kv_cache: str | None = None  # None: stored in ``dtype``
     kv_update: str | None = None  # "functional": graphs return their new KV caches (None: in place)
+    weight_map: dict[str, str] | None = None  # weights "gguf": module -> format (model/weight_format.py)
 
     @property
     def weight_format(self) -> str:
@@ -211,7 +213,7 @@ def make_plan(spec: ModelSpec, opts: ExportOptions) -> ExportPlan:
     if k:  # one verify graph per decode cache length: K+1 tokens scored against the cache
         buckets += [Bucket("verify", n) for n in dec]
     buckets += _serving_buckets(opts, dec)
-    weights = _weight_format(opts)
+    weights = _weight_format(opts, spec)
     return ExportPlan(
         tp=opts.tp,
         batch_size=opts.batch_size,
@@ -286,10 +288,9 @@ def plan_from_config(path: str | os.PathLike, opts: ExportOptions) -> tuple[dict
     cfg = read_config_json(path)
     spec = spec_from_config(cfg)
     plan = make_plan(spec, opts)
+    if plan.weights == weight_format.AUTO:  # no GGUF file here: the compute dtype
+        plan = dataclasses.replace(plan, weights=None)
     return cfg, planned_spec(spec, opts), plan
-
-
-WEIGHT_FORMATS = ("fp32", "fp16", "bf16", "int8")
 
 
 def _stored_format(value: str | None, dtype: str, choices: tuple[str, ...], flag: str) -> str | None:
@@ -301,14 +302,34 @@ def _stored_format(value: str | None, dtype: str, choices: tuple[str, ...], flag
     return value
 
 
-def _weight_format(opts: ExportOptions) -> str | None:
-    w = _stored_format(opts.weights, opts.dtype, WEIGHT_FORMATS, "--weights")
-    if w is not None and opts.dtype != "fp32":
+def _weight_format(opts: ExportOptions, spec: ModelSpec) -> str | None:
+    """The plan's weight format (canonical name, ``model/weight_format.py``), None for ``--dtype``."""
+    if opts.weights is None or opts.weights == opts.dtype:
+        return None
+    if opts.weights == weight_format.AUTO:  # resolved against the source (export.prepare)
+        if opts.dtype != "fp32":
+            raise UserInputError(f"--weights auto needs --dtype fp32 (got --dtype {opts.dtype})")
+        return weight_format.AUTO
+    try:
+        fmt = weight_format.from_user(opts.weights)
+    except ValueError as e:
+        raise UserInputError(str(e)) from None
+    if opts.dtype != "fp32":
         raise UserInputError(
-            f"--weights {w} needs --dtype fp32 (reduced-precision weights with fp32 activations); "
+            f"--weights {opts.weights} needs --dtype fp32 (reduced-precision weights with fp32 activations); "
             f"--dtype {opts.dtype} stores the weights in {opts.dtype}"
         )
-    return w
+    layout = shard_layout(spec, opts.tp)
+    inputs = {"the hidden size": spec.hidden_size, "o_proj (per rank)": layout.heads * spec.head_dim}
+    if not spec.is_moe:
+        inputs["down_proj (per rank)"] = layout.intermediate
+    for what, k in inputs.items():
+        why = fmt.check_inputs(k, what)
+        if why:
+            raise UserInputError(
+                f"--weights {opts.weights} at --tp {opts.tp}: {why}; pick a group size that divides it"
+            )
+    return fmt.name
 
 
 def stored_kv_cache(kv_cache: str | None, weights: str | None, dtype: str) -> str | None:

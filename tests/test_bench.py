@@ -88,6 +88,7 @@ def test_compare_refuses_int8_weight_exports(tmp_path):
     from nxdc.bench.reference import transformers_model
     from nxdc.errors import UserInputError
 
-    with pytest.raises(UserInputError, match="cannot rebuild an int8-weight export"):
-        plan = SimpleNamespace(tp=1, dtype="fp32", weights="int8")
-        transformers_model(tmp_path, SimpleNamespace(plan=plan))
+    for weights in ("int8", "int8-g32", "int4-asym-g32"):
+        with pytest.raises(UserInputError, match=f"cannot rebuild a quantized-weight export \\({weights}"):
+            plan = SimpleNamespace(tp=1, dtype="fp32", weights=weights)
+            transformers_model(tmp_path, SimpleNamespace(plan=plan))

@@ -20,14 +20,27 @@ import torch
 import torch.nn.functional as F
 
 from nxdc.kernels import cpu_supported, ensure_loaded
-from nxdc.kernels.quant import dequantize_int8, quantize_int8
+from nxdc.model.quant import (
+    dequantize_int4,
+    dequantize_int8,
+    pack_int4,
+    quantize_int4,
+    quantize_int8,
+    unpack_int4,
+)
 
 needs_kernels = pytest.mark.skipif(not cpu_supported(), reason="CPU without AVX2/FMA: kernels are not used")
 pytestmark = needs_kernels
 
 ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 20, 64]
 SHAPES = [(1, 16), (7, 100), (67, 576), (192, 576), (576, 1536), (33, 1000)]  # (N, K)
-FORMATS = ["f32", "f16", "bf16", "i8", "i8g32"]
+FORMATS = ["f32", "f16", "bf16", "i8", "i8g32", "i8min", "i4", "i4asym", "i4g64"]
+# inputs per scale group (K must be a multiple); i8min: int8 with a min per group (GGUF Q5_K's form)
+GROUP = {"i8g32": 32, "i8min": 16, "i4": 32, "i4asym": 32, "i4g64": 64}
+
+
+def fits(fmt: str, k: int) -> bool:
+    return k % GROUP.get(fmt, 1) == 0
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -45,14 +58,20 @@ def make(fmt: str, w: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], torch.Ten
     if fmt == "bf16":
         wq = w.to(torch.bfloat16)
         return (wq,), wq.float()
-    q, s = quantize_int8(w, 32 if fmt == "i8g32" else None)
+    if fmt.startswith("i4"):
+        p, s, m = quantize_int4(w, GROUP[fmt], asymmetric=fmt == "i4asym")
+        return ((p, s) if m is None else (p, s, m)), dequantize_int4(p, s, m)
+    q, s = quantize_int8(w, GROUP.get(fmt))
+    if fmt == "i8min":
+        m = torch.randn_like(s) * s  # any min: w = q * s + m
+        return (q, s, m), dequantize_int8(q, s, m)
     return (q, s), dequantize_int8(q, s)
 
 
 def op(fmt: str):
     ops = torch.ops.nxdc
     return {"f32": ops.linear_f32, "f16": ops.linear_f16, "bf16": ops.linear_bf16}.get(
-        fmt, torch.ops.nxdc.linear_i8
+        fmt, ops.linear_i4 if fmt.startswith("i4") else ops.linear_i8
     )
 
 
@@ -64,9 +83,7 @@ def check(got: torch.Tensor, x: torch.Tensor, wd: torch.Tensor) -> None:
     assert bool((err <= bound).all()), f"max err/bound {(err / bound).max().item():.3g}"
 
 
-@pytest.mark.parametrize(
-    "fmt, n, k", [(f, n, k) for f in FORMATS for n, k in SHAPES if f != "i8g32" or k % 32 == 0]
-)
+@pytest.mark.parametrize("fmt, n, k", [(f, n, k) for f in FORMATS for n, k in SHAPES if fits(f, k)])
 @pytest.mark.parametrize("rows", ROWS)
 def test_matches_dequantised_reference(fmt, rows, n, k):
     torch.manual_seed(rows * 7919 + n * 31 + k)
@@ -81,6 +98,8 @@ def test_rows_are_independent_of_the_batch(fmt):
     graph (B * (k + 1) rows) then scores a token exactly as a decode step (B rows) does."""
     torch.manual_seed(6)
     for n, k in ((67, 576), (300, 96), (576, 1536)):
+        if not fits(fmt, k):
+            continue
         w = torch.randn(n, k)
         args, _ = make(fmt, w)
         x = torch.randn(64, k)
@@ -97,12 +116,7 @@ def swiglu_reference(x: torch.Tensor, wd: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize(
     "fmt, i, k",
-    [
-        (f, i, k)
-        for f in FORMATS
-        for i, k in ((1536, 576), (40, 100), (7, 64), (1, 16))
-        if f != "i8g32" or k % 32 == 0
-    ],
+    [(f, i, k) for f in FORMATS for i, k in ((1536, 576), (40, 100), (7, 64), (1, 16)) if fits(f, k)],
 )
 def test_swiglu_matches_reference(fmt, i, k):
     """``nxdc::swiglu(x, [gate; up])`` = silu(x @ gate^T) * (x @ up^T): the kernel's gate and up
@@ -110,10 +124,9 @@ def test_swiglu_matches_reference(fmt, i, k):
     torch.manual_seed(i + k)
     w = torch.randn(2 * i, k) * 0.2
     args, wd = make(fmt, w)
-    scale = args[1] if len(args) > 1 else None
     for rows in (1, 3, 8, 9, 40):
         x = torch.randn(rows, k)
-        got = torch.ops.nxdc.swiglu(x, args[0], scale)
+        got = torch.ops.nxdc.swiglu(x, *args)
         assert got.shape == (rows, i) and got.dtype == torch.float32
         lin = op(fmt)(x, *args)  # the same sums, then SiLU in fp64
         ref = F.silu(lin[:, :i].double()) * lin[:, i:].double()
@@ -128,11 +141,10 @@ def test_swiglu_rows_are_independent_of_the_batch(fmt):
     torch.manual_seed(8)
     w = torch.randn(2 * 1536, 576) * 0.1
     args, _ = make(fmt, w)
-    scale = args[1] if len(args) > 1 else None
     x = torch.randn(40, 576)
-    alone = torch.cat([torch.ops.nxdc.swiglu(x[i : i + 1], args[0], scale) for i in range(40)])
+    alone = torch.cat([torch.ops.nxdc.swiglu(x[i : i + 1], *args) for i in range(40)])
     for rows in (2, 5, 8, 9, 16, 40):
-        assert torch.equal(torch.ops.nxdc.swiglu(x[:rows], args[0], scale), alone[:rows]), rows
+        assert torch.equal(torch.ops.nxdc.swiglu(x[:rows], *args), alone[:rows]), rows
 
 
 def test_swiglu_extreme_inputs():
@@ -150,11 +162,13 @@ def test_swiglu_bad_arguments_raise():
     x = torch.randn(2, 64)
     with pytest.raises(RuntimeError, match="stack gate and up"):
         torch.ops.nxdc.swiglu(x, torch.randn(3, 64), None)
-    with pytest.raises(RuntimeError, match="int8 weights take a scale"):
+    with pytest.raises(RuntimeError, match="int8 / int4 weights take a scale"):
         torch.ops.nxdc.swiglu(x, torch.zeros(4, 64, dtype=torch.int8), None)
-    with pytest.raises(RuntimeError, match="int8 weights take a scale"):
+    with pytest.raises(RuntimeError, match="int8 / int4 weights take a scale"):
         torch.ops.nxdc.swiglu(x, torch.randn(4, 64), torch.ones(4))
-    with pytest.raises(RuntimeError, match="must be float32, float16, bfloat16 or int8"):
+    with pytest.raises(RuntimeError, match="only int8 / int4 weights take a min"):
+        torch.ops.nxdc.swiglu(x, torch.randn(4, 64), None, torch.ones(4, 2))
+    with pytest.raises(RuntimeError, match="must be float32, float16, bfloat16, int8 or int4"):
         torch.ops.nxdc.swiglu(x, torch.randn(4, 64).double(), None)
     with pytest.raises(RuntimeError, match="K=64 but w has K=63"):
         torch.ops.nxdc.swiglu(x, torch.randn(4, 63), None)
@@ -170,7 +184,7 @@ def test_lm_head_sized(fmt):
         check(op(fmt)(x, *args), x, wd)
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", [f for f in FORMATS if fits(f, 96)])
 def test_non_contiguous_inputs(fmt):
     torch.manual_seed(2)
     x = torch.randn(96, 4).t()  # [4, 96], strides (1, 4)
@@ -220,6 +234,45 @@ def test_bad_arguments_raise():
         torch.ops.nxdc.linear_i8(x, q, torch.ones(3, 8))  # groups of 8
     with pytest.raises(RuntimeError, match="scale must be a float32"):
         torch.ops.nxdc.linear_i8(x, q, s.double())
+    p, s4, _ = quantize_int4(torch.randn(3, 64))
+    with pytest.raises(RuntimeError, match="must be uint8"):
+        torch.ops.nxdc.linear_i4(x, p.to(torch.int8), s4)
+    with pytest.raises(RuntimeError, match="K=64 but w has K=62"):
+        torch.ops.nxdc.linear_i4(x, p[:, :31], s4)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        torch.ops.nxdc.linear_i4(x, p, torch.ones(3, 4))  # groups of 16: half a packed block
+    with pytest.raises(RuntimeError, match="need group scales"):
+        torch.ops.nxdc.linear_i4(x, p, torch.ones(3))
+    with pytest.raises(RuntimeError, match="min must be a float32 CPU tensor shaped like scale"):
+        torch.ops.nxdc.linear_i4(x, p, s4, torch.ones(3, 1))
+
+
+def test_quantize_int4_round_trip():
+    """Packing is the kernels' block order, the error is within half a step, both forms use their
+    whole range, and a bad group is refused in one line."""
+    torch.manual_seed(9)
+    nib = torch.randint(0, 16, (5, 64))
+    packed = pack_int4(nib)
+    assert packed.shape == (5, 32) and torch.equal(unpack_int4(packed), nib.to(torch.uint8))
+    assert int(packed[0, 0]) == int(nib[0, 0]) | (int(nib[0, 16]) << 4)  # byte j: weights j, 16 + j
+    w = torch.randn(37, 576) * torch.rand(37, 1) * 3
+    w[3] = 0.0
+    for g, asym in ((32, False), (32, True), (64, False), (192, True)):
+        p, s, m = quantize_int4(w, g, asym)
+        assert p.dtype == torch.uint8 and s.shape == (37, 576 // g) and (m is not None) == asym
+        err = (dequantize_int4(p, s, m).double() - w.double()).abs()
+        step = s.abs().repeat_interleave(g, dim=1).double()
+        # half a step; symmetric (Q4_0's scale): a whole one at the clamped end (+8 -> +7)
+        assert bool((err <= step * (0.5 if asym else 1.0) * (1 + 1e-5) + 1e-12).all()), (g, asym)
+        assert float(dequantize_int4(p, s, m)[3].abs().max()) == 0.0  # an all-zero row stays zero
+        nib = unpack_int4(p).reshape(37, -1, g)
+        # every non-zero group reaches a range end: 0 (-8 symmetric) and, asymmetric, also 15
+        assert bool((nib.amin(-1) == 0)[s != 0].all())
+        if asym:
+            assert bool((nib.amax(-1) == 15)[s != 0].all())
+    for bad in (16, 48, 100):
+        with pytest.raises(ValueError, match="multiple of 32"):
+            quantize_int4(torch.randn(4, 96), bad)
 
 
 def test_kernels_come_from_the_compile_cache(tmp_path):
@@ -261,7 +314,7 @@ def test_avx2_path_matches_reference():
         """
         import torch
         from nxdc.kernels import ensure_loaded
-        from nxdc.kernels.quant import quantize_int8, dequantize_int8
+        from nxdc.model.quant import quantize_int8, dequantize_int8
         assert ensure_loaded()
         worst = 0.0
         for rows in (1, 3, 8, 9, 40, 100):  # 40, 100: dequantise + at::mm
@@ -393,7 +446,9 @@ def test_linear_module_uses_the_kernel_for_fp32_at_any_row_count():
     assert "nxdc.linear_f32" not in gm.code
 
 
-@pytest.mark.parametrize("bias, stored", [(False, None), (False, "int8"), (False, "fp16"), (True, None)])
+@pytest.mark.parametrize(
+    "bias, stored", [(False, None), (False, "int8"), (False, "int4-asym-g32"), (False, "fp16"), (True, None)]
+)
 def test_mlp_routes_gate_up_through_swiglu(bias, stored):
     """With the kernels, an MLP without biases runs gate/up and SiLU as one ``nxdc::swiglu`` call (any
     stored format) and matches PyTorch's SiLU on the linear's halves; with biases, or without the
@@ -417,6 +472,10 @@ def test_mlp_routes_gate_up_through_swiglu(bias, stored):
             q, s = quantize_int8(w)
             gu.weight.data, gu.scale.data = q, s
             w = dequantize_int8(q, s)
+        elif stored.startswith("int4"):
+            p, s, m = quantize_int4(w, 32, asymmetric=True)
+            gu.weight.data, gu.scale.data, gu.min.data = p, s, m
+            w = dequantize_int4(p, s, m)
         else:
             gu.weight.data = w.half()
             w = w.half().float()

@@ -212,7 +212,13 @@ def test_queue_limits_timeouts_and_drain(smollm2_serve_export, tmp_path):
         finished = lambda reason: metric(metrics, "nxdc_requests_finished_total", reason=reason)  # noqa: E731
         assert (finished("timeout"), finished("queue_timeout"), finished("abort")) == (8, 1, 0)
         assert metric(metrics, "nxdc_requests_rejected_total", reason="queue_full") == 1
+
         # SIGTERM while a stream runs: no new connections, the stream finishes, exit 0
+        async def all_idle():  # the timed-out streams' rows freed: the next decoding row is the new stream's
+            async with httpx.AsyncClient(base_url=s.url, timeout=30) as c:
+                await _until(c, lambda slots: all(x["state"] == "idle" for x in slots["slots"]))
+
+        asyncio.run(all_idle())
         r = {}
 
         def stream():

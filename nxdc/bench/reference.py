@@ -12,6 +12,7 @@ from nxdc.archs import get_arch
 from nxdc.compile.trace import meta_decoder
 from nxdc.errors import UserInputError
 from nxdc.manifest import Manifest
+from nxdc.model import weight_format
 from nxdc.model.decoder import TIED
 from nxdc.model.dtypes import TORCH_DTYPES
 from nxdc.model.fused import unfuse_state_dict
@@ -23,9 +24,9 @@ def transformers_model(export_dir: Path, manifest: Manifest):
     plan = manifest.plan
     if plan.tp != 1:
         raise UserInputError(f"--compare transformers needs a --tp 1 export ({export_dir} is tp {plan.tp})")
-    if plan.weights == "int8":
+    if weight_format.quantized(plan.weights):
         raise UserInputError(
-            f"--compare transformers cannot rebuild an int8-weight export ({export_dir}): "
+            f"--compare transformers cannot rebuild a quantized-weight export ({plan.weights}: {export_dir}): "
             "compare the fp32 export of the same model, or use --check-accuracy at export"
         )
     dtype = TORCH_DTYPES[plan.dtype]

@@ -30,7 +30,9 @@ DTYPE = typer.Option(None, "--dtype", help="fp32 | bf16. \\[default: fp32]")
 WEIGHTS = typer.Option(
     None,
     "--weights",
-    help="Weight storage: fp32 | fp16 | bf16 | int8 (activations stay --dtype fp32). \\[default: --dtype]",
+    help="Weight storage: fp32 | fp16 | bf16 | int8 | int8-row | int4 | int4-sym | auto. int8 / int4 scale "
+    "groups of 32 inputs (-gG for G, e.g. int4-g64); auto keeps a GGUF file's own quantized tensors "
+    "(activations stay --dtype fp32; docs/weights.md). \\[default: --dtype]",
 )
 KV_CACHE = typer.Option(
     None,

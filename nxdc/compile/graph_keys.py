@@ -29,6 +29,7 @@ def key_parts(
         "sequence_length": plan.sequence_length,
         "dtype": plan.dtype,
         **({"weights": plan.weights} if plan.weights else {}),
+        **({"weight_map": plan.weight_map} if plan.weight_map else {}),
         **({"kv_cache": plan.kv_cache} if plan.kv_cache else {}),
         **({"kv_update": plan.kv_update} if plan.kv_update else {}),
         "tp": plan.tp,

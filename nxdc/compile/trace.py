@@ -32,6 +32,7 @@ def meta_decoder(spec: ModelSpec, plan: ExportPlan) -> Decoder:
             TORCH_DTYPES[plan.dtype],
             layout=shard_layout(spec, plan.tp),
             weights=plan.weights,
+            weight_map=plan.weight_map,
             kv_dtype=TORCH_DTYPES[plan.kv_format],
         )
 

@@ -1,13 +1,15 @@
 """nxdc's own CPU kernels for the decode hot path, built once per machine on first use.
 
-``nxdc::linear_f32(x, w)``, ``linear_f16(x, w)``, ``linear_bf16(x, w)`` and
-``linear_i8(x, w, scale)`` (``linear.cpp``): fp32 activations [M, K] times fp32 / fp16 / bf16 /
-int8 weights [N, K] (int8: symmetric, fp32 ``scale [N]`` per row or ``[N, K // G]`` per group,
-see ``quant.py``), weights converted in registers, fp32 accumulation, any M. Memory-bound at
+``nxdc::linear_f32(x, w)``, ``linear_f16(x, w)``, ``linear_bf16(x, w)``,
+``linear_i8(x, w, scale, min=None)`` and ``linear_i4(x, w, scale, min=None)`` (``linear.cpp``):
+fp32 activations [M, K] times fp32 / fp16 / bf16 / int8 / int4 weights [N, K] (int8: fp32
+``scale [N]`` per row or ``[N, K // G]`` per group; int4: two weights a byte, per group; either
+with an optional per-group ``min``; see ``nxdc/model/quant.py``), weights converted in registers, fp32
+accumulation, any M. Memory-bound at
 decode: every weight is streamed once at the rate of a plain reduction (~2.5x PyTorch's MKL
 sgemv on our CI machine); faster than MKL's sgemm at prefill too (AVX-512).
 
-``nxdc::swiglu(x, w, scale=None)`` (``linear.cpp``): an MLP's gate and up matvecs (``w`` stacks
+``nxdc::swiglu(x, w, scale=None, min=None)`` (``linear.cpp``): an MLP's gate and up matvecs (``w`` stacks
 them, any of those formats) and ``silu(gate) * up`` in one call, each thread on its own columns.
 
 ``nxdc::attend(q, k_cache, v_cache, positions)`` (``attention.cpp``): prefill, decode and verify
@@ -252,7 +254,7 @@ def _load(path: str, digest: str, already: bool = False) -> None:
     _loaded.update(digest=digest, path=path)
 
 
-def _linear_fake(x, w, scale=None):  # x fp32 [M, K], w [N, K] -> out fp32 [M, N]
+def _linear_fake(x, w, scale=None, min=None):  # x fp32 [M, K], w [N, K] -> out fp32 [M, N]
     return x.new_empty((x.shape[0], w.shape[0]))
 
 
@@ -266,7 +268,8 @@ _FAKES = {
     "linear_f16": _linear_fake,
     "linear_bf16": _linear_fake,
     "linear_i8": _linear_fake,  # scale fp32 [N] (per row) or [N, K // G] (per group of G inputs)
-    "swiglu": lambda x, w, scale=None: x.new_empty((x.shape[0], w.shape[0] // 2)),  # w = [gate; up]
+    "linear_i4": _linear_fake,  # w uint8 [N, K // 2]
+    "swiglu": lambda x, w, scale=None, min=None: x.new_empty((x.shape[0], w.shape[0] // 2)),  # w = [gate; up]
 }
 
 

@@ -1,14 +1,19 @@
 // Linear layers for fp32 activations: out[M, N] = x[M, K] @ dequant(w)[N, K]^T with fp32
-// accumulation and weights stored as fp32, fp16, bf16 or int8 (symmetric, one fp32 scale per
-// output row or per group of G consecutive inputs of a row).
+// accumulation and weights stored as fp32, fp16, bf16, int8 or int4 (int8: one fp32 scale per
+// output row or per group of G consecutive inputs of a row; int4: per group; both optionally with
+// a per-group fp32 min, w = q * s + m).
 //
-//   nxdc::linear_f32(x, w)          w: float32  [N, K]
-//   nxdc::linear_f16(x, w)          w: float16  [N, K]
-//   nxdc::linear_bf16(x, w)         w: bfloat16 [N, K]
-//   nxdc::linear_i8(x, w, scale)    w: int8 [N, K]; scale: float32 [N] (per row) or [N, K / G]
-//                                   (per group, G = K / scale.size(1), G % 16 == 0)
-//   nxdc::swiglu(x, w, scale=None)  silu(x @ gate^T) * (x @ up^T) [M, N / 2] for w = [gate; up]
-//                                   in any of those formats (int8 with its scale)
+//   nxdc::linear_f32(x, w)                 w: float32  [N, K]
+//   nxdc::linear_f16(x, w)                 w: float16  [N, K]
+//   nxdc::linear_bf16(x, w)                w: bfloat16 [N, K]
+//   nxdc::linear_i8(x, w, scale, min=None) w: int8 [N, K]; scale: float32 [N] (per row) or
+//                                          [N, K / G] (per group, G = K / scale.size(1), G % 16 == 0);
+//                                          min: [N, K / G] (w = q * s + m) or None (w = q * s)
+//   nxdc::linear_i4(x, w, scale, min=None) w: uint8 [N, K / 2], two weights a byte in 32-weight
+//                                          blocks (Store<Fmt::I4>); scale [N, K / G], G % 32 == 0;
+//                                          no min: w = (nibble - 8) * s, with min: nibble * s + m
+//   nxdc::swiglu(x, w, scale=None, min=None)  silu(x @ gate^T) * (x @ up^T) [M, N / 2] for
+//                                          w = [gate; up] in any of those formats
 //
 // Streaming kernel (decode, and prefill with AVX-512): every weight is converted to fp32 in
 // registers (a plain load / vcvtph2ps / a 16-bit shift / vpmovsxbd + vcvtdq2ps) right after its
@@ -72,8 +77,10 @@ namespace {
 
 using nxdc_cpu::has_avx512;
 
-enum class Fmt { F32, F16, BF16, I8 };
-enum class Scale { None, Row, Group };
+enum class Fmt { F32, F16, BF16, I8, I4 };
+// Group: w = q * s; GroupMin: w = q * s + m (multiply, then add: never fused, so the bits equal
+// the reference dequantisation and gguf's for Q4_1 / Q4_K / Q5_K)
+enum class Scale { None, Row, Group, GroupMin };
 
 template <Fmt F>
 struct Store {
@@ -87,6 +94,24 @@ template <>
 struct Store<Fmt::I8> {
   using T = int8_t;
 };
+// int4: two weights a byte, in blocks of 32 weights = 16 bytes per row: byte j of block b holds
+// weight 32b + j in its low nibble and weight 32b + 16 + j in its high nibble (GGUF Q4_0's
+// order). Symmetric (Scale::Group): w = (nibble - 8) * s; asymmetric (GroupMin): nibble * s + m.
+template <>
+struct Store<Fmt::I4> {
+  using T = uint8_t;
+};
+
+// Weights per step of the inner loops (an int4 step is one 16-byte block) and the bytes of a row.
+template <Fmt F>
+constexpr int64_t step_weights() {
+  return F == Fmt::I4 ? 32 : 16;
+}
+template <Fmt F>
+constexpr int64_t row_elems(int64_t K) {  // a row's length in Store<F>::T
+  return F == Fmt::I4 ? K / 2 : K;
+}
+constexpr bool grouped(Scale S) { return S == Scale::Group || S == Scale::GroupMin; }
 
 template <Fmt F>
 inline float to_float(typename Store<F>::T v) {
@@ -100,6 +125,7 @@ inline float to_float(typename Store<F>::T v) {
     std::memcpy(&f, &u, 4);
     return f;
   } else {
+    static_assert(F == Fmt::I8, "to_float: int4 has no scalar tail (K % 32 == 0)");
     return static_cast<float>(v);
   }
 }
@@ -110,6 +136,7 @@ struct Args {
   const float* x;
   const void* w;
   const float* scale;
+  const float* mins;  // GroupMin: [N, ng], beside scale
   const int32_t* gidx;
   float* out;
   int64_t K, N, ng;  // ng: scale columns per row (grouped)
@@ -208,17 +235,19 @@ NXDC_AVX512 inline void reduce_store(const __m512* v, float* dst) {
   }
 }
 
-// One 16-weight step of R rows against M activation rows.
-template <Fmt F, Scale S, int R, int M>
-NXDC_AVX512 __attribute__((always_inline)) inline void step512(__m512 (&acc)[R][M],
-                                                               const typename Store<F>::T* (&wr)[R],
-                                                               const float* (&sr)[R], const float* x,
-                                                               int64_t K, const int32_t* gidx, int64_t k) {
-  __m512 wv[R];
-  for (int r = 0; r < R; ++r) {
-    wv[r] = load16<F>(wr[r] + k);
-    if constexpr (S == Scale::Group) wv[r] = _mm512_mul_ps(wv[r], _mm512_set1_ps(sr[r][gidx[k >> 4]]));
-  }
+// Per-group scaling of a converted weight vector: w * s, or w * s + m (GroupMin).
+template <Scale S>
+NXDC_AVX512 __attribute__((always_inline)) inline __m512 scale512(__m512 w, const float* sr, const float* mr,
+                                                                  int64_t g) {
+  if constexpr (S == Scale::Group) return _mm512_mul_ps(w, _mm512_set1_ps(sr[g]));
+  if constexpr (S == Scale::GroupMin) return _mm512_add_ps(_mm512_mul_ps(w, _mm512_set1_ps(sr[g])), _mm512_set1_ps(mr[g]));
+  return w;
+}
+
+// acc[r][m] += wv[r] * x[m, k..k+16) for every r, m.
+template <Fmt F, int R, int M>
+NXDC_AVX512 __attribute__((always_inline)) inline void fma512(__m512 (&acc)[R][M], const __m512 (&wv)[R],
+                                                              const float* x, int64_t K, int64_t k) {
   for (int m = 0; m < M; ++m) {
     __m512 xv = _mm512_loadu_ps(x + m * K + k);
     // int8, M >= 4: keep xv in a register. Left alone, gcc folds the load into each of the R
@@ -228,6 +257,39 @@ NXDC_AVX512 __attribute__((always_inline)) inline void step512(__m512 (&acc)[R][
     // 2 weight rows, int8 at M = 1, and fp16 / bf16 at M = 5, 6 (mixed results).
     if constexpr ((F == Fmt::I8 && M >= 4 && R > 1) || (R == 3 && M >= 7)) asm("" : "+v"(xv));
     for (int r = 0; r < R; ++r) acc[r][m] = _mm512_fmadd_ps(wv[r], xv, acc[r][m]);
+  }
+}
+
+// One step of R rows against M activation rows: 16 weights, or (int4) one 32-weight block.
+// int4 converts through a 16-entry table per row and block, the nibble values times the group's
+// scale (plus its min): one vpermps (which reads only an index's low 4 bits) per 16 weights does
+// the nibble's conversion and scaling at once, and the table's entries are exactly the fp32
+// (q * s) (+ m) of the reference dequantisation. The block's low-nibble half is summed before
+// its high half, for any R and M.
+template <Fmt F, Scale S, int R, int M>
+NXDC_AVX512 __attribute__((always_inline)) inline void step512(__m512 (&acc)[R][M],
+                                                               const typename Store<F>::T* (&wr)[R],
+                                                               const float* (&sr)[R], const float* (&mr)[R],
+                                                               const float* x, int64_t K, const int32_t* gidx,
+                                                               int64_t k) {
+  __m512 wv[R];
+  if constexpr (F == Fmt::I4) {
+    const __m512 levels = S == Scale::GroupMin
+                              ? _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
+                              : _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+    __m512 table[R];
+    __m512i bytes[R];
+    for (int r = 0; r < R; ++r) {
+      table[r] = scale512<S>(levels, sr[r], mr[r], gidx[k >> 4]);
+      bytes[r] = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wr[r] + (k >> 1))));
+      wv[r] = _mm512_permutexvar_ps(bytes[r], table[r]);
+    }
+    fma512<F, R, M>(acc, wv, x, K, k);
+    for (int r = 0; r < R; ++r) wv[r] = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes[r], 4), table[r]);
+    fma512<F, R, M>(acc, wv, x, K, k + 16);
+  } else {
+    for (int r = 0; r < R; ++r) wv[r] = scale512<S>(load16<F>(wr[r] + k), sr[r], mr[r], grouped(S) ? gidx[k >> 4] : 0);
+    fma512<F, R, M>(acc, wv, x, K, k);
   }
 }
 
@@ -258,17 +320,18 @@ NXDC_AVX512 __attribute__((always_inline)) inline void store512(__m512 (&acc)[R]
 template <Fmt F, Scale S, int R, int M>
 NXDC_AVX512 void block512(const Args& a, int64_t n0, int64_t n1) {
   using T = typename Store<F>::T;
-  constexpr int V = 64 / (16 * static_cast<int>(sizeof(T)));  // vectors per 64-byte line
-  constexpr int L = 16 * V;                                   // weights per line
+  constexpr int64_t STEP = step_weights<F>();
+  constexpr int64_t L = 64 / static_cast<int64_t>(sizeof(T)) * (F == Fmt::I4 ? 2 : 1);  // weights per line
+  constexpr int V = static_cast<int>(L / STEP);                                         // steps per line
   const T* w = static_cast<const T*>(a.w);
   const float* x = a.x;
-  const int64_t K = a.K;
-  const int64_t KL = K - K % L, K16 = K - K % 16;
-  const __mmask16 tail = static_cast<__mmask16>((1u << (K % 16)) - 1u);
+  const int64_t K = a.K, RK = row_elems<F>(K);
+  const int64_t KL = K - K % L, KS = K - K % STEP;
+  const __mmask16 tail = static_cast<__mmask16>((1u << (K % 16)) - 1u);  // (0 for int4: K % 32 == 0)
   int64_t n = n0;
   if (R > 1) {  // start the streams: the first bytes of this thread's rows
-    const char* p0 = reinterpret_cast<const char*>(w + n0 * K);
-    const int64_t bytes = (n1 - n0) * K * static_cast<int64_t>(sizeof(T));
+    const char* p0 = reinterpret_cast<const char*>(w + n0 * RK);
+    const int64_t bytes = (n1 - n0) * RK * static_cast<int64_t>(sizeof(T));
     for (int64_t off = 0; off < std::min(PF_L1_BYTES, bytes); off += 64) _mm_prefetch(p0 + off, _MM_HINT_T0);
     for (int64_t off = PF_L1_BYTES; off < std::min(PF_L2_BYTES, bytes); off += 64) _mm_prefetch(p0 + off, _MM_HINT_T1);
   }
@@ -278,9 +341,11 @@ NXDC_AVX512 void block512(const Args& a, int64_t n0, int64_t n1) {
       for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
     const T* wr[R];
     const float* sr[R];
+    const float* mr[R];
     for (int r = 0; r < R; ++r) {
-      wr[r] = w + (n + r) * K;
+      wr[r] = w + (n + r) * RK;
       sr[r] = a.scale + (n + r) * a.ng;
+      mr[r] = a.mins + (n + r) * a.ng;
     }
     // The R rows are contiguous: linear prefetch streams PF_L1 / PF_L2 bytes ahead of the block
     // start, R lines each per iteration (the rate at which the block's lines are consumed).
@@ -295,15 +360,17 @@ NXDC_AVX512 void block512(const Args& a, int64_t n0, int64_t n1) {
           _mm_prefetch(pf1, _MM_HINT_T0);
         }
       }
-      for (int v = 0; v < V; ++v) step512<F, S, R, M>(acc, wr, sr, x, K, a.gidx, k + 16 * v);
+      for (int v = 0; v < V; ++v) step512<F, S, R, M>(acc, wr, sr, mr, x, K, a.gidx, k + STEP * v);
     }
-    for (; k < K16; k += 16) step512<F, S, R, M>(acc, wr, sr, x, K, a.gidx, k);
-    if (tail) {  // K % 16 leftover weights (never with group scales: G % 16 == 0)
-      __m512 wv[R];
-      for (int r = 0; r < R; ++r) wv[r] = load16_mask<F>(wr[r] + K16, tail);
-      for (int m = 0; m < M; ++m) {
-        __m512 xv = _mm512_maskz_loadu_ps(tail, x + m * K + K16);
-        for (int r = 0; r < R; ++r) acc[r][m] = _mm512_fmadd_ps(wv[r], xv, acc[r][m]);
+    for (; k < KS; k += STEP) step512<F, S, R, M>(acc, wr, sr, mr, x, K, a.gidx, k);
+    if constexpr (F != Fmt::I4) {
+      if (tail) {  // K % 16 leftover weights (never with group scales: G % 16 == 0)
+        __m512 wv[R];
+        for (int r = 0; r < R; ++r) wv[r] = load16_mask<F>(wr[r] + KS, tail);
+        for (int m = 0; m < M; ++m) {
+          __m512 xv = _mm512_maskz_loadu_ps(tail, x + m * K + KS);
+          for (int r = 0; r < R; ++r) acc[r][m] = _mm512_fmadd_ps(wv[r], xv, acc[r][m]);
+        }
       }
     }
     store512<S, R, M>(acc, a, n);
@@ -337,12 +404,29 @@ NXDC_AVX2 inline float hsum256(__m256 v) {
   return _mm_cvtss_f32(lo);
 }
 
+template <Scale S>
+NXDC_AVX2 inline __m256 scale256(__m256 w, const float* sr, const float* mr, int64_t g) {
+  if constexpr (S == Scale::Group) return _mm256_mul_ps(w, _mm256_set1_ps(sr[g]));
+  if constexpr (S == Scale::GroupMin) return _mm256_add_ps(_mm256_mul_ps(w, _mm256_set1_ps(sr[g])), _mm256_set1_ps(mr[g]));
+  return w;
+}
+
+// Weights [k + 8h, k + 8h + 8) of an int4 block at p (h = 0..3: bytes 0-7 / 8-15, low nibbles,
+// then high), as fp32 levels: nibble - 8 (symmetric) or nibble (GroupMin).
+template <Scale S>
+NXDC_AVX2 inline __m256 load8_i4(const uint8_t* p, int h) {
+  __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * (h & 1))));
+  e = h < 2 ? _mm256_and_si256(e, _mm256_set1_epi32(15)) : _mm256_srli_epi32(e, 4);
+  if constexpr (S != Scale::GroupMin) e = _mm256_sub_epi32(e, _mm256_set1_epi32(8));
+  return _mm256_cvtepi32_ps(e);
+}
+
 template <Fmt F, Scale S, int R, int M>
 NXDC_AVX2 void block256(const Args& a, int64_t n0, int64_t n1) {
   using T = typename Store<F>::T;
   const T* w = static_cast<const T*>(a.w);
   const float* x = a.x;
-  const int64_t K = a.K, N = a.N, K8 = K - K % 8;
+  const int64_t K = a.K, N = a.N, K8 = K - K % 8, RK = row_elems<F>(K);
   int64_t n = n0;
   for (; n + R <= n1; n += R) {
     __m256 acc[R][M];
@@ -350,18 +434,23 @@ NXDC_AVX2 void block256(const Args& a, int64_t n0, int64_t n1) {
       for (int m = 0; m < M; ++m) acc[r][m] = _mm256_setzero_ps();
     const T* wr[R];
     const float* sr[R];
+    const float* mr[R];
     for (int r = 0; r < R; ++r) {
-      wr[r] = w + (n + r) * K;
+      wr[r] = w + (n + r) * RK;
       sr[r] = a.scale + (n + r) * a.ng;
+      mr[r] = a.mins + (n + r) * a.ng;
     }
     const char* pf = reinterpret_cast<const char*>(wr[0]) + PF_BYTES_AVX2;  // one L1 stream
     for (int64_t k = 0; k < K8; k += 8) {
-      if (R > 1 && (k * static_cast<int64_t>(sizeof(T))) % 64 == 0)  // a new line of every row: R lines ahead
-        for (int r = 0; r < R; ++r, pf += 64) _mm_prefetch(pf, _MM_HINT_T0);
+      if (R > 1 && (row_elems<F>(k) * static_cast<int64_t>(sizeof(T))) % 64 == 0 && (F != Fmt::I4 || k % 32 == 0))
+        for (int r = 0; r < R; ++r, pf += 64) _mm_prefetch(pf, _MM_HINT_T0);  // a new line of every row
       __m256 wv[R];
+      const int64_t g = grouped(S) ? a.gidx[k >> 4] : 0;
       for (int r = 0; r < R; ++r) {
-        wv[r] = load8<F>(wr[r] + k);
-        if constexpr (S == Scale::Group) wv[r] = _mm256_mul_ps(wv[r], _mm256_set1_ps(sr[r][a.gidx[k >> 4]]));
+        if constexpr (F == Fmt::I4)  // block k & ~31, quarter (k / 8) % 4
+          wv[r] = scale256<S>(load8_i4<S>(wr[r] + ((k & ~int64_t(31)) >> 1), (k >> 3) & 3), sr[r], mr[r], g);
+        else
+          wv[r] = scale256<S>(load8<F>(wr[r] + k), sr[r], mr[r], g);
       }
       for (int m = 0; m < M; ++m) {
         __m256 xv = _mm256_loadu_ps(x + m * K + k);
@@ -371,7 +460,8 @@ NXDC_AVX2 void block256(const Args& a, int64_t n0, int64_t n1) {
     for (int r = 0; r < R; ++r)
       for (int m = 0; m < M; ++m) {
         float y = hsum256(acc[r][m]);
-        for (int64_t k = K8; k < K; ++k) y += to_float<F>(wr[r][k]) * x[m * K + k];  // scalar K tail
+        if constexpr (F != Fmt::I4)  // (int4: K % 32 == 0)
+          for (int64_t k = K8; k < K; ++k) y += to_float<F>(wr[r][k]) * x[m * K + k];  // scalar K tail
         if constexpr (S == Scale::Row) y *= a.scale[n + r];
         a.out[m * N + n + r] = y;
       }
@@ -406,9 +496,11 @@ void block(const Args& a, int64_t n0, int64_t n1, bool wide) {
 // faster than 2-row blocks use them (FMA-bound) and slightly slower when memory-bound. The fast
 // case is where batch 8 is furthest from its targets, so it decides. At M = 5, 6 fp32 keeps
 // R = 2 (more rows are not faster there). Figures: docs/performance.md.
+// int4 never takes them: its step holds a table and the bytes per weight row besides the
+// accumulators, and 3-5 rows would spill.
 template <Fmt F>
 constexpr int64_t wide_rows_min() {
-  return F == Fmt::I8 ? 3 : (F == Fmt::F32 ? 7 : 5);
+  return F == Fmt::I4 ? 9 : F == Fmt::I8 ? 3 : (F == Fmt::F32 ? 7 : 5);
 }
 
 template <Fmt F, Scale S>
@@ -424,7 +516,7 @@ void rows_block(const Args& a, int64_t rows, int64_t n0, int64_t n1, bool wide) 
     }
   }
   switch (rows) {
-    case 1: block<F, S, F == Fmt::I8 ? 4 : 1, 1>(a, n0, n1, wide); break;
+    case 1: block<F, S, (F == Fmt::I8 || F == Fmt::I4) ? 4 : 1, 1>(a, n0, n1, wide); break;
     case 2: block<F, S, 4, 2>(a, n0, n1, wide); break;
     case 3: block<F, S, 3, 3>(a, n0, n1, wide); break;
     case 4: block<F, S, 2, 4>(a, n0, n1, wide); break;
@@ -442,7 +534,7 @@ void rows_block(const Args& a, int64_t rows, int64_t n0, int64_t n1, bool wide) 
 // are slower. Every variant gives the same bits, as each row's sum does not depend on the tiling.
 template <Fmt F, Scale S>
 void pass_block(const Args& a, int64_t rows, int64_t n0, int64_t n1, bool wide) {
-  if (wide) {
+  if (wide && F != Fmt::I4) {
     switch (rows) {
       case 6: block512<F, S, 4, 6>(a, n0, n1); return;
       case 5: block512<F, S, 4, 5>(a, n0, n1); return;
@@ -469,16 +561,16 @@ struct Plan {
 
 template <Fmt F>
 Plan plan(const Args& a, int64_t M) {
-  constexpr int64_t SZ = sizeof(typename Store<F>::T);
   const int64_t K = a.K;
+  const int64_t RB = row_elems<F>(K) * static_cast<int64_t>(sizeof(typename Store<F>::T));  // bytes a row
   // M = 8 is one pass, fp32 included: with the L2 prefetch stream, one pass of 8 rows is faster
   // than two passes of 4 over each L2-sized tile.
   const bool wide = has_avx512();
   const int64_t pass_rows = wide ? 6 : 8;
   const int64_t passes = M <= 8 ? 1 : (M + pass_rows - 1) / pass_rows;
   // at least ~64 KiB-pass of weights per thread before splitting: tiny layers stay on one thread
-  const int64_t grain = std::max<int64_t>(1, (64 * 1024) / std::max<int64_t>(1, U * K * SZ * passes));
-  const int64_t tile = std::max<int64_t>(U, (256 * 1024) / std::max<int64_t>(1, K * SZ) / U * U);
+  const int64_t grain = std::max<int64_t>(1, (64 * 1024) / std::max<int64_t>(1, U * RB * passes));
+  const int64_t tile = std::max<int64_t>(U, (256 * 1024) / std::max<int64_t>(1, RB) / U * U);
   return {wide, passes, tile, grain};
 }
 
@@ -530,8 +622,9 @@ NXDC_AVX2 void silu_mul_row(const float* g, const float* u, float* o, int64_t n)
 template <Fmt F>
 Args row_slice(const Args& a, int64_t row0, int64_t n, float* dst) {
   Args b = a;
-  b.w = static_cast<const typename Store<F>::T*>(a.w) + row0 * a.K;
+  b.w = static_cast<const typename Store<F>::T*>(a.w) + row0 * row_elems<F>(a.K);
   b.scale = a.scale ? a.scale + row0 * a.ng : nullptr;
+  b.mins = a.mins ? a.mins + row0 * a.ng : nullptr;
   b.out = dst;
   b.N = n;
   return b;
@@ -573,17 +666,24 @@ NXDC_AVX2 void dequant_rows(const Args& a, int64_t n0, int64_t rows, float* dst)
   const T* w = static_cast<const T*>(a.w);
   const int64_t K = a.K, K8 = K - K % 8;
   for (int64_t i = 0; i < rows; ++i) {
-    const T* wr = w + (n0 + i) * K;
+    const T* wr = w + (n0 + i) * row_elems<F>(K);
     const float* sr = a.scale + (n0 + i) * a.ng;
+    const float* mr = a.mins + (n0 + i) * a.ng;
     float* d = dst + i * K;
     const float rs = S == Scale::Row ? sr[0] : 1.0f;
     for (int64_t k = 0; k < K8; k += 8) {
-      __m256 v = load8<F>(wr + k);
+      const int64_t g = grouped(S) ? a.gidx[k >> 4] : 0;
+      __m256 v;
+      if constexpr (F == Fmt::I4)
+        v = load8_i4<S>(wr + ((k & ~int64_t(31)) >> 1), (k >> 3) & 3);
+      else
+        v = load8<F>(wr + k);
       if constexpr (S == Scale::Row) v = _mm256_mul_ps(v, _mm256_set1_ps(rs));
-      if constexpr (S == Scale::Group) v = _mm256_mul_ps(v, _mm256_set1_ps(sr[a.gidx[k >> 4]]));
+      v = scale256<S>(v, sr, mr, g);
       _mm256_storeu_ps(d + k, v);
     }
-    for (int64_t k = K8; k < K; ++k) d[k] = to_float<F>(wr[k]) * rs;  // (no tail with groups)
+    if constexpr (F != Fmt::I4)
+      for (int64_t k = K8; k < K; ++k) d[k] = to_float<F>(wr[k]) * rs;  // (no tail with groups)
   }
 }
 
@@ -619,18 +719,22 @@ void run_large(const Args& a, const at::Tensor& x, at::Tensor& out) {
 // A call's checked arguments: contiguous tensors kept alive for the pointers in `a` (a.out is the
 // caller's).
 struct Call {
-  at::Tensor x, w, scale;
+  at::Tensor x, w, scale, mins;
   std::vector<int32_t> gidx;
   Args a;
   Scale S;
   int64_t M;
 };
 
+// int8 / int4 take a scale ([N] per row, int8 only, or [N, K / G] per group of G inputs) and,
+// per group, an optional min (w = q * s + m).
 template <Fmt F>
-Call prepare(const char* name, const at::Tensor& x, const at::Tensor& w, const at::Tensor* scale) {
+Call prepare(const char* name, const at::Tensor& x, const at::Tensor& w, const at::Tensor* scale,
+             const at::Tensor* mins = nullptr) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2, name, ": expected x [M, K] and w [N, K], got ", x.sizes(), " and ",
               w.sizes());
-  TORCH_CHECK(x.size(1) == w.size(1), name, ": x has K=", x.size(1), " but w has K=", w.size(1));
+  const int64_t per_byte = F == Fmt::I4 ? 2 : 1;  // int4: w is [N, K / 2] bytes
+  TORCH_CHECK(x.size(1) == w.size(1) * per_byte, name, ": x has K=", x.size(1), " but w has K=", w.size(1) * per_byte);
   TORCH_CHECK(x.scalar_type() == at::kFloat, name, ": x must be float32, got ", x.scalar_type());
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), name, ": CPU tensors only");
   const int64_t K = x.size(1), N = w.size(0);
@@ -646,24 +750,37 @@ Call prepare(const char* name, const at::Tensor& x, const at::Tensor& w, const a
     TORCH_CHECK(scale->size(0) == N, name, ": scale has ", scale->size(0), " rows, w has ", N);
     c.scale = scale->contiguous();
     if (scale->dim() == 1) {
+      TORCH_CHECK(F != Fmt::I4 && !mins, name, ": int4 weights and mins need group scales [N, K / G]");
       c.S = Scale::Row;
       ng = 1;
     } else {
       ng = scale->size(1);
-      TORCH_CHECK(ng > 0 && K % ng == 0 && (K / ng) % 16 == 0, name,
-                  ": group scales [N, K / G] need G = K / scale.size(1) to be a whole multiple of 16; got K=", K,
-                  " and ", ng, " groups");
-      c.S = Scale::Group;
+      const int64_t unit = F == Fmt::I4 ? 32 : 16;
+      TORCH_CHECK(ng > 0 && K % ng == 0 && (K / ng) % unit == 0, name, ": group scales [N, K / G] need G = K / ",
+                  "scale.size(1) to be a whole multiple of ", unit, "; got K=", K, " and ", ng, " groups");
+      c.S = mins ? Scale::GroupMin : Scale::Group;
       const int64_t G = K / ng;
       c.gidx.resize(K / 16);
       for (int64_t i = 0; i < K / 16; ++i) c.gidx[i] = static_cast<int32_t>((i * 16) / G);
     }
   }
+  if (mins) {
+    TORCH_CHECK(mins->scalar_type() == at::kFloat && mins->device().is_cpu() && mins->sizes() == c.scale.sizes(),
+                name, ": min must be a float32 CPU tensor shaped like scale ", c.scale.sizes(), ", got ",
+                mins->scalar_type(), " ", mins->sizes());
+    c.mins = mins->contiguous();
+  }
   c.x = x.contiguous();
   c.w = w.contiguous();
-  c.a = Args{c.x.data_ptr<float>(), c.w.data_ptr(), c.scale.defined() ? c.scale.data_ptr<float>() : nullptr,
-             c.gidx.data(),         nullptr,         K,
-             N,                     ng};
+  c.a = Args{c.x.data_ptr<float>(),
+             c.w.data_ptr(),
+             c.scale.defined() ? c.scale.data_ptr<float>() : nullptr,
+             c.mins.defined() ? c.mins.data_ptr<float>() : nullptr,
+             c.gidx.data(),
+             nullptr,
+             K,
+             N,
+             ng};
   return c;
 }
 
@@ -674,6 +791,7 @@ void with_scale(Scale S, Fn&& f) {
     case Scale::None: f(std::integral_constant<Scale, Scale::None>{}); break;
     case Scale::Row: f(std::integral_constant<Scale, Scale::Row>{}); break;
     case Scale::Group: f(std::integral_constant<Scale, Scale::Group>{}); break;
+    case Scale::GroupMin: f(std::integral_constant<Scale, Scale::GroupMin>{}); break;
   }
 }
 
@@ -690,8 +808,9 @@ void linear_into(const Call& c, const Args& a, at::Tensor& out) {
 }
 
 template <Fmt F>
-at::Tensor lowp_linear(const char* name, const at::Tensor& x, const at::Tensor& w, const at::Tensor* scale) {
-  Call c = prepare<F>(name, x, w, scale);
+at::Tensor lowp_linear(const char* name, const at::Tensor& x, const at::Tensor& w, const at::Tensor* scale,
+                       const at::Tensor* mins = nullptr) {
+  Call c = prepare<F>(name, x, w, scale, mins);
   auto out = at::empty({c.M, c.a.N}, x.options());
   if (c.M == 0 || c.a.N == 0) return out;
   if (c.a.K == 0) return out.zero_();
@@ -702,8 +821,9 @@ at::Tensor lowp_linear(const char* name, const at::Tensor& x, const at::Tensor& 
 
 // out[M, I] = silu(x @ gate^T) * (x @ up^T) for w = [gate; up] [2I, K].
 template <Fmt F>
-at::Tensor lowp_swiglu(const at::Tensor& x, const at::Tensor& w, const at::Tensor* scale) {
-  Call c = prepare<F>("swiglu", x, w, scale);
+at::Tensor lowp_swiglu(const at::Tensor& x, const at::Tensor& w, const at::Tensor* scale,
+                       const at::Tensor* mins = nullptr) {
+  Call c = prepare<F>("swiglu", x, w, scale, mins);
   TORCH_CHECK(c.a.N % 2 == 0, "swiglu: w must stack gate and up rows [2I, K], got ", c.a.N, " rows");
   const int64_t I = c.a.N / 2, M = c.M;
   auto out = at::empty({M, I}, x.options());
@@ -745,28 +865,43 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w) {
   return lowp_linear<Fmt::BF16>("linear_bf16", x, w, nullptr);
 }
 
-at::Tensor linear_i8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale) {
+const at::Tensor* opt(const std::optional<at::Tensor>& t) { return t.has_value() ? &*t : nullptr; }
+
+at::Tensor linear_i8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
+                     const std::optional<at::Tensor>& min) {
   TORCH_CHECK(w.scalar_type() == at::kChar, "linear_i8: w must be int8, got ", w.scalar_type());
-  return lowp_linear<Fmt::I8>("linear_i8", x, w, &scale);
+  return lowp_linear<Fmt::I8>("linear_i8", x, w, &scale, opt(min));
 }
 
-// The weight's dtype picks the format, as for the linear ops; int8 needs its scale.
-at::Tensor swiglu(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& scale) {
+at::Tensor linear_i4(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
+                     const std::optional<at::Tensor>& min) {
+  TORCH_CHECK(w.scalar_type() == at::kByte, "linear_i4: w must be uint8 (two int4 a byte), got ", w.scalar_type());
+  return lowp_linear<Fmt::I4>("linear_i4", x, w, &scale, opt(min));
+}
+
+// The weight's dtype picks the format, as for the linear ops; int8 / int4 (uint8 storage) need
+// their scale, and take an optional min.
+at::Tensor swiglu(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& scale,
+                  const std::optional<at::Tensor>& min) {
   const auto t = w.scalar_type();
-  TORCH_CHECK(scale.has_value() == (t == at::kChar), "swiglu: int8 weights take a scale, other formats none");
+  const bool quant = t == at::kChar || t == at::kByte;
+  TORCH_CHECK(scale.has_value() == quant, "swiglu: int8 / int4 weights take a scale, other formats none");
+  TORCH_CHECK(quant || !min.has_value(), "swiglu: only int8 / int4 weights take a min");
   if (t == at::kFloat) return lowp_swiglu<Fmt::F32>(x, w, nullptr);
   if (t == at::kHalf) return lowp_swiglu<Fmt::F16>(x, w, nullptr);
   if (t == at::kBFloat16) return lowp_swiglu<Fmt::BF16>(x, w, nullptr);
-  TORCH_CHECK(t == at::kChar, "swiglu: w must be float32, float16, bfloat16 or int8, got ", t);
-  return lowp_swiglu<Fmt::I8>(x, w, &*scale);
+  if (t == at::kByte) return lowp_swiglu<Fmt::I4>(x, w, &*scale, opt(min));
+  TORCH_CHECK(t == at::kChar, "swiglu: w must be float32, float16, bfloat16, int8 or int4 (uint8), got ", t);
+  return lowp_swiglu<Fmt::I8>(x, w, &*scale, opt(min));
 }
 
 TORCH_LIBRARY(nxdc, m) {
   m.def("linear_f32(Tensor x, Tensor w) -> Tensor");
   m.def("linear_f16(Tensor x, Tensor w) -> Tensor");
   m.def("linear_bf16(Tensor x, Tensor w) -> Tensor");
-  m.def("linear_i8(Tensor x, Tensor w, Tensor scale) -> Tensor");
-  m.def("swiglu(Tensor x, Tensor w, Tensor? scale=None) -> Tensor");
+  m.def("linear_i8(Tensor x, Tensor w, Tensor scale, Tensor? min=None) -> Tensor");
+  m.def("linear_i4(Tensor x, Tensor w, Tensor scale, Tensor? min=None) -> Tensor");
+  m.def("swiglu(Tensor x, Tensor w, Tensor? scale=None, Tensor? min=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(nxdc, CPU, m) {
@@ -774,5 +909,6 @@ TORCH_LIBRARY_IMPL(nxdc, CPU, m) {
   m.impl("linear_f16", &linear_f16);
   m.impl("linear_bf16", &linear_bf16);
   m.impl("linear_i8", &linear_i8);
+  m.impl("linear_i4", &linear_i4);
   m.impl("swiglu", &swiglu);
 }

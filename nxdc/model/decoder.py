@@ -16,12 +16,18 @@ from nxdc.model.layers import MLP, Embedding, Linear, RMSNorm, rope_tables
 from nxdc.model.moe import MoE
 from nxdc.model.parallel import all_gather_last, all_reduce
 from nxdc.model.sharding import VOCAB_ROWS, ShardLayout, shard_layout
+from nxdc.model.weight_format import module_format
 from nxdc.spec import ModelSpec
 
 # The names an export's weights and graphs use are the Decoder's own (graph constants carry the
 # wrappers' ``GRAPH_PREFIX``); the exporter and the runtime take them from here.
 GRAPH_PREFIX = "model."  # every graph wrapper holds the decoder as ``.model``
-TIED = {"lm_head.weight": "embed_tokens.weight", "lm_head.scale": "embed_tokens.scale"}  # int8: scales too
+# a tied lm_head is the embedding: its weight and, when quantized, its scales and mins
+TIED = {
+    "lm_head.weight": "embed_tokens.weight",
+    "lm_head.scale": "embed_tokens.scale",
+    "lm_head.min": "embed_tokens.min",
+}
 
 
 def kv_cache_names(spec: ModelSpec) -> list[str]:
@@ -30,7 +36,7 @@ def kv_cache_names(spec: ModelSpec) -> list[str]:
 
 
 def tie_lm_head(state: dict[str, torch.Tensor], rows=lambda t: t) -> None:
-    """Fill a tied lm_head (and its int8 scales) in ``state`` from the embedding; ``rows`` cuts
+    """Fill a tied lm_head (and its scales and mins) in ``state`` from the embedding; ``rows`` cuts
     this rank's vocabulary rows out of it (tensor parallelism)."""
     for head, embed in TIED.items():
         if embed in state:
@@ -86,6 +92,7 @@ class Decoder(nn.Module):
         layout: ShardLayout | None = None,
         weights: str | None = None,
         kv_dtype: torch.dtype | None = None,  # the KV cache's storage (None: dtype)
+        weight_map: dict[str, str] | None = None,  # weights "gguf": each module's format
     ):
         super().__init__()
         layout = layout or shard_layout(spec, 1)
@@ -97,14 +104,16 @@ class Decoder(nn.Module):
         )
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
         self.lm_head = Linear(spec.hidden_size, layout.vocab, False, dtype, device, shard=VOCAB_ROWS)
-        if weights is not None:  # --weights fp16 | bf16 | int8: stored formats (norms, routers: dtype)
+        if weights is not None:  # --weights (model/weight_format.py): stored formats (norms, routers: dtype)
             for name, m in self.named_modules():
-                if isinstance(m, (Linear, Embedding)) and not name.endswith("router"):
-                    m.store_as(weights)
+                fmt = module_format(weights, name, weight_map)
+                if isinstance(m, (Linear, Embedding)) and not name.endswith("router") and fmt is not None:
+                    m.store_as(fmt)
         if spec.tie_word_embeddings and layout.tp == 1:
             self.lm_head.weight = self.embed_tokens.weight
-            if weights == "int8":
-                self.lm_head.scale = self.embed_tokens.scale
+            for p in ("scale", "min"):  # quantized: the same scales and mins
+                if hasattr(self.embed_tokens, p):
+                    setattr(self.lm_head, p, getattr(self.embed_tokens, p))
         cos, sin = rope_tables(spec, max_seq)
         self.register_buffer("rope_cos", cos.to(device), persistent=False)
         self.register_buffer("rope_sin", sin.to(device), persistent=False)

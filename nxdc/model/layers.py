@@ -8,7 +8,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nxdc.model.quant import dequantize_int4, dequantize_int8
 from nxdc.model.sharding import MLP_COLS, MLP_ROWS, REPLICATED, Part
+from nxdc.model.weight_format import WeightFormat, parse
 from nxdc.spec import ModelSpec, RopeSpec
 
 
@@ -26,9 +28,26 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(dtype)
 
 
-# Reduced-precision weight storage (``--weights``, docs/weights.md): torch dtype, nxdc kernel op.
-STORED = {"fp16": torch.float16, "bf16": torch.bfloat16, "int8": torch.int8}
-LOWP_OPS = {"fp16": "linear_f16", "bf16": "linear_bf16", "int8": "linear_i8"}
+# Reduced-precision weight storage (``--weights``, docs/weights.md, ``model/weight_format.py``):
+# torch dtype and nxdc kernel op of each kind (int4: two weights a uint8).
+STORED = {"fp16": torch.float16, "bf16": torch.bfloat16, "int8": torch.int8, "int4": torch.uint8}
+LOWP_OPS = {"fp16": "linear_f16", "bf16": "linear_bf16", "int8": "linear_i8", "int4": "linear_i4"}
+
+
+def quant_params(module: nn.Module) -> tuple[torch.Tensor, ...]:
+    """A quantized weight's scale (and min, for asymmetric formats), as the kernels take them."""
+    mins = getattr(module, "min", None)
+    return (module.scale,) if mins is None else (module.scale, mins)
+
+
+def dequantized(q: torch.Tensor, fmt: WeightFormat, scale: torch.Tensor, mins, dtype) -> torch.Tensor:
+    """Stored rows ``q [..., K or K / 2]`` (with their scales / mins ``[..., groups]`` or ``[...]``)
+    as ``dtype`` values: the reference dequantisation (``model/quant.py``) in traceable ops."""
+    lead = q.shape[:-1]
+    q2, s2 = q.reshape(-1, q.shape[-1]), scale.reshape(-1, *scale.shape[len(lead) :])
+    m2 = None if mins is None else mins.reshape(s2.shape)
+    w = dequantize_int4(q2, s2, m2) if fmt.kind == "int4" else dequantize_int8(q2, s2, m2)
+    return w.reshape(*lead, w.shape[-1]).to(dtype)
 
 
 class Linear(nn.Module):
@@ -37,13 +56,14 @@ class Linear(nn.Module):
     activations are fp32, every call (decode and prefill) runs ``nxdc::linear_f32``
     (``kernels/linear.cpp``), which streams the weight once however many rows there are.
 
-    ``store_as("fp16" | "bf16" | "int8")`` keeps the weight in that format (int8: symmetric,
-    plus an fp32 ``scale`` per output row); activations, bias and accumulation stay in the
-    compute dtype. With the kernels, every call reads the stored weight directly (prefill too);
+    ``store_as(name)`` keeps the weight in that format (``model/weight_format.py``: fp16, bf16, or
+    int8 / int4 with an fp32 ``scale`` per row or group and, asymmetric, a ``min`` per group);
+    activations, bias and accumulation stay in the compute dtype. With the kernels, every call reads the stored weight directly (prefill too);
     without them (CUDA, CPUs without AVX2) it is converted per call and PyTorch's matmul runs."""
 
     kernels = False  # set per instance by the exporter / runtime builder (use_kernels)
-    stored: str | None = None  # None: the weight is in the compute dtype
+    stored: str | None = None  # the format's kind (fp16 | bf16 | int8 | int4); None: compute dtype
+    fmt: WeightFormat | None = None
 
     def __init__(
         self,
@@ -62,14 +82,20 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device))
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)) if bias else None
 
-    def store_as(self, fmt: str) -> None:
-        self.stored = fmt
+    def store_as(self, name: str) -> None:
+        f = parse(name)
+        self.fmt, self.stored = f, f.kind
         w = self.weight
+        n, k = w.shape
+        shape = (n, k // 2) if f.kind == "int4" else (n, k)
         self.weight = nn.Parameter(
-            torch.empty(w.shape, dtype=STORED[fmt], device=w.device), requires_grad=False
+            torch.empty(shape, dtype=STORED[f.kind], device=w.device), requires_grad=False
         )
-        if fmt == "int8":
-            self.scale = nn.Parameter(torch.empty(w.shape[0], dtype=torch.float32, device=w.device))
+        if f.quantized:
+            scales = (n,) if f.group is None else (n, k // f.group)
+            self.scale = nn.Parameter(torch.empty(scales, dtype=torch.float32, device=w.device))
+            if f.asym:
+                self.min = nn.Parameter(torch.empty(scales, dtype=torch.float32, device=w.device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         k = x.shape[-1]
@@ -90,19 +116,21 @@ class Linear(nn.Module):
         Linear, then PyTorch's SiLU on the halves."""
         if self.kernels and self.bias is None and x.dtype == torch.float32:
             k = x.shape[-1]
-            scale = self.scale if self.stored == "int8" else None
-            y = torch.ops.nxdc.swiglu(x.reshape(-1, k), self.weight, scale)
+            quant = quant_params(self) if self.fmt is not None and self.fmt.quantized else ()
+            y = torch.ops.nxdc.swiglu(x.reshape(-1, k), self.weight, *quant)
             return y.view(*x.shape[:-1], y.shape[-1])
         gate, up = self(x).chunk(2, dim=-1)
         return F.silu(gate) * up
 
     def _reduced(self, x: torch.Tensor) -> torch.Tensor:
+        quant = self.fmt.quantized
         if self.kernels:
-            args = (x, self.weight, self.scale) if self.stored == "int8" else (x, self.weight)
+            args = (x, self.weight, *quant_params(self)) if quant else (x, self.weight)
             return getattr(torch.ops.nxdc, LOWP_OPS[self.stored])(*args)
-        w = self.weight.to(x.dtype)
-        if self.stored == "int8":
-            w = w * self.scale.to(x.dtype).unsqueeze(1)
+        if quant:
+            w = dequantized(self.weight, self.fmt, self.scale, getattr(self, "min", None), x.dtype)
+        else:
+            w = self.weight.to(x.dtype)
         return F.linear(x, w)
 
 
@@ -111,6 +139,7 @@ class Embedding(nn.Module):
     shares it): a lookup converts only the rows it reads."""
 
     stored: str | None = None
+    fmt: WeightFormat | None = None
 
     def __init__(self, num: int, dim: int, dtype, device=None):
         super().__init__()
@@ -120,10 +149,11 @@ class Embedding(nn.Module):
     store_as = Linear.store_as
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        h = F.embedding(ids, self.weight).to(self.dtype)
-        if self.stored == "int8":
-            h = h * self.scale[ids].unsqueeze(-1).to(self.dtype)
-        return h
+        rows = F.embedding(ids, self.weight)
+        if self.fmt is None or not self.fmt.quantized:
+            return rows.to(self.dtype)
+        mins = getattr(self, "min", None)
+        return dequantized(rows, self.fmt, self.scale[ids], None if mins is None else mins[ids], self.dtype)
 
 
 def use_kernels(model: nn.Module, enabled: bool = True) -> None:

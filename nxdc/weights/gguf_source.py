@@ -18,6 +18,7 @@ from nxdc.cache.keys import digest
 from nxdc.cache.store import default_root
 from nxdc.errors import UnsupportedError, UserInputError
 from nxdc.weights.gguf_index import read_index
+from nxdc.weights.gguf_quant import expanded_params
 
 
 def converted_metadata(path: Path, cache_root: Path | None = None) -> Path:
@@ -76,6 +77,19 @@ class GGUFTensor:
         self.shape = tuple(int(s) for s in reversed(t.shape))
         self._head_rows = head_rows  # head_dim for q/k projections (to un-permute), else None
 
+    @property
+    def type_name(self) -> str:
+        return self._t.tensor_type.name
+
+    def with_params(self) -> GGUFTensor:
+        """This tensor, read as ``[rows, K, 3]``: each weight's value, scale and min
+        (``gguf_quant``: how a kept type's bits travel through sharding)."""
+        view = GGUFTensor(self._t, self._head_rows)
+        view._params = True
+        return view
+
+    _params = False
+
     def read(self, rows: slice | None = None) -> torch.Tensor:
         from gguf.quants import dequantize
 
@@ -84,6 +98,9 @@ class GGUFTensor:
         data = self._t.data if len(self.shape) == 1 else self._t.data[a:b]
         arr = np.ascontiguousarray(dequantize(data, self._t.tensor_type))
         arr = arr.reshape(self.shape if len(self.shape) == 1 else (b - a, *self.shape[1:]))
+        if self._params:
+            s, m = expanded_params(self.type_name, np.asarray(data), self.shape[1])
+            arr = np.stack([arr, s, m], axis=-1)
         w = torch.from_numpy(arr if arr.flags.writeable else arr.copy())
         if self._head_rows:
             if a % self._head_rows or b % self._head_rows:

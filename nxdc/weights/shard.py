@@ -57,7 +57,8 @@ def _rows_by_heads(t: LazyTensor, heads: tuple[int | None, ...], d: int) -> torc
 
 
 def _cols_by_heads(w: torch.Tensor, heads: tuple[int | None, ...], d: int) -> torch.Tensor:
-    out = w.new_zeros((w.shape[0], len(heads) * d))
+    # (any trailing dims ride along: a GGUF weight read with its scales and mins is [rows, K, 3])
+    out = w.new_zeros((w.shape[0], len(heads) * d, *w.shape[2:]))
     for i, h in enumerate(heads):
         if h is not None:
             out[:, i * d : (i + 1) * d] = w[:, h * d : (h + 1) * d]
@@ -78,7 +79,7 @@ def _rows_range(t: LazyTensor, rank: int, per: int) -> torch.Tensor:
 def _cols_range(w: torch.Tensor, rank: int, per: int) -> torch.Tensor:
     total = w.shape[1]
     a, b = min(rank * per, total), min((rank + 1) * per, total)
-    out = w.new_zeros((w.shape[0], per))
+    out = w.new_zeros((w.shape[0], per, *w.shape[2:]))
     out[:, : b - a] = w[:, a:b]
     return out
 
