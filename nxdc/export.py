@@ -181,9 +181,7 @@ def write_weights(src: ModelSource, spec: ModelSpec, plan: ExportPlan, rank: int
             raise AssertionError(f"{stored}: rank {rank} shard {tuple(w.shape)} != {expected[stored]}")
         if kept:
             q, scale, mins = requantize(w, s, m, weight_format.parse(fmt), f"{src.name}: {hf_name}")
-            tensors.update(
-                {stored: q, f"{module}.scale": scale, **({f"{module}.min": mins} if mins is not None else {})}
-            )
+            tensors.update(_quantized(stored, q, scale, mins))
         else:
             tensors.update(stored_tensors(stored, w, meta[stored].dtype, fmt))
     missing = sorted(set(meta) - set(tensors))
@@ -211,7 +209,6 @@ def stored_tensors(
     if dtype not in (torch.int8, torch.uint8):
         return {name: w.to(dtype).contiguous()}
     f = weight_format.parse(fmt)
-    base = name.rpartition(".")[0]
     if f.kind == "int4":
         q, scale, mins = quantize_int4(w, f.group, f.asym)
     else:
@@ -219,10 +216,15 @@ def stored_tensors(
         mins = None
         if f.asym:
             raise UnsupportedError(f"--weights {fmt}: int8 with mins is kept from GGUF files only")
-    out = {name: q, f"{base}.scale": scale}
-    if mins is not None:
-        out[f"{base}.min"] = mins
-    return out
+    return _quantized(name, q, scale, mins)
+
+
+def _quantized(
+    name: str, q: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor | None
+) -> dict[str, torch.Tensor]:
+    """A quantized weight's stored tensors: ``name``, and its module's ``scale`` (and ``min``)."""
+    base = name.rpartition(".")[0]
+    return {name: q, f"{base}.scale": scale, **({f"{base}.min": mins} if mins is not None else {})}
 
 
 def compile_bucket(
