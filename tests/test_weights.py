@@ -90,6 +90,32 @@ def test_kernel_and_pytorch_paths_agree_tiny():
         assert float((a - b).abs().max()) < 1e-4, fmt
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_half_dtype_takes_the_kernels_tiny(dtype):
+    """``--dtype bf16 / fp16`` (weights, activations and KV cache in that dtype) runs nxdc's
+    linear, SwiGLU and attention kernels, not PyTorch's half-precision ops, and gives what the
+    PyTorch path and transformers give within the dtype's rounding."""
+    if not ensure_loaded():
+        pytest.skip("nxdc CPU kernels unavailable on this machine")
+    from test_parity_eager import build
+
+    hf, ours = build("gqa", dtype, batch=1, max_seq=32)
+    pytorch = _prefill_logits(ours)
+    use_kernels(ours)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        kernels = _prefill_logits(ours)
+    called = {e.key for e in prof.key_averages()}
+    op = {torch.bfloat16: "nxdc::linear_bf16", torch.float16: "nxdc::linear_f16"}[dtype]
+    assert {op, "nxdc::swiglu", "nxdc::attend"} <= called, sorted(k for k in called if "nxdc" in k)
+    torch.manual_seed(3)
+    ids = torch.randint(3, 256, (1, 12))
+    with torch.no_grad():
+        ref = hf(ids).logits.float()
+    tol = 6e-2 if dtype == torch.bfloat16 else 1e-2
+    assert float((kernels.float() - pytorch.float()).abs().max()) < tol
+    assert float((kernels.float()[0] - ref[0]).abs().max()) < tol
+
+
 @pytest.mark.slow
 def test_smollm2_accuracy_budget():
     """The budget, on the fixed evaluation text: fp16/bf16 within a logit tolerance and

@@ -41,6 +41,11 @@ def _read_buffer(device: str, n: int) -> torch.Tensor:
     return _READ_BUFFERS[key]
 
 
+def read_buffers_mib() -> float:
+    """Memory the read samples hold for the life of the process (part of its peak RSS)."""
+    return sum(t.numel() * t.element_size() for t in _READ_BUFFERS.values()) / 2**20
+
+
 def copy_bandwidth_gbs(threads: int, mib: int = 512, reps: int = 8) -> float:
     """Best-of copy rate, counting bytes read plus bytes written (STREAM convention)."""
     torch.set_num_threads(threads)
@@ -60,8 +65,24 @@ def _timed(fn, sync: bool = False) -> float:
 
 
 def peak_rss_mib() -> float:
-    """Peak resident set size of this process so far (Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    """Peak resident set size of this process (since ``reset_peak_rss``, where Linux allows it)."""
+    try:
+        for line in open("/proc/self/status"):
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def reset_peak_rss() -> None:
+    """Start the peak over (Linux >= 4.0: VmHWM := VmRSS), so that it measures what comes next,
+    not the bandwidth samples' buffers before it."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
 
 
 def machine_info(threads: int) -> dict:

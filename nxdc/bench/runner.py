@@ -19,7 +19,13 @@ from pathlib import Path
 
 import numpy as np
 
-from nxdc.bench.machine import machine_info, peak_rss_mib, read_bandwidth_gbs
+from nxdc.bench.machine import (
+    machine_info,
+    peak_rss_mib,
+    read_bandwidth_gbs,
+    read_buffers_mib,
+    reset_peak_rss,
+)
 from nxdc.bench.reference import transformers_generate, transformers_model
 from nxdc.compile.buckets import pick_context_bucket
 from nxdc.compile.trace import weight_bytes
@@ -68,6 +74,7 @@ def run_bench(
     asked_threads = threads  # tp > 1 exports split the cores over ranks unless told otherwise
     threads = apply_threads(threads)
     info = machine_info(threads)
+    reset_peak_rss()  # the peak from here on: loading and running (and the read buffer kept)
     # torch.distributed allows one process group per process: exports at tp > 1 run one at a time,
     # every tp 1 export together.
     tps = [load_manifest(d).plan.tp for d in export_dirs]
@@ -180,6 +187,7 @@ class _Config:
             "e2e_ms": med(r.total_s for r in ours) * 1000,
             "prefill_tokens_per_s": b * length / ttft,
             "peak_rss_mib": peak_rss_mib(),
+            "read_buffer_mib": read_buffers_mib(),  # of the peak: the bandwidth samples' buffer
             "bytes_per_decode_step": nbytes,
             "huge_page_fraction": _huge_page_fraction(sess),
         }

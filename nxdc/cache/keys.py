@@ -19,11 +19,12 @@ def digest(obj: Any) -> str:
 
 @cache
 def model_code_digest() -> str:
-    """Hash of the sources that define the traced graphs (model code, tracing): changing them
-    invalidates every cached artifact; other code does not. Each backend adds its own module's
-    hash (``source_digest``) to its key parts."""
+    """Hash of the sources that define the traced graphs (model code, tracing, the kernels' shape
+    functions): changing them invalidates every cached artifact; other code does not. Each
+    backend adds its own module's hash (``source_digest``) to its key parts."""
     root = Path(__file__).resolve().parent.parent
-    return source_digest(*sorted((root / "model").rglob("*.py")), root / "compile" / "trace.py")
+    traced = (root / "compile" / "trace.py", root / "kernels" / "__init__.py")
+    return source_digest(*sorted((root / "model").rglob("*.py")), *traced)
 
 
 @cache

@@ -45,12 +45,11 @@ def build_decoder(spec: ModelSpec, plan: ExportPlan, kernels: bool = False) -> D
 
 
 def kernels_apply(plan: ExportPlan) -> bool:
-    """nxdc's CPU kernels are for fp32 inductor graphs on CPU, on CPUs with AVX2/FMA, unless
-    disabled."""
+    """nxdc's CPU kernels are for inductor graphs on CPU (every ``--dtype``: fp16 / bf16
+    activations enter them as fp32), on CPUs with AVX2/FMA, unless disabled."""
     return (
         plan.backend == "inductor"
         and plan.device == "cpu"
-        and plan.dtype == "fp32"
         and cpu_supported()
         and not disabled()
     )

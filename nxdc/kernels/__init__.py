@@ -261,9 +261,9 @@ def _linear_fake(x, w, scale=None, min=None):  # x fp32 [M, K], w [N, K] -> out 
 # Shape functions for torch.export, one per op. An export made by an older nxdc carries a library
 # without the newer ops (``generate`` loads that copy), so only the ops it defines get one.
 _FAKES = {
-    "attend": lambda q, k_cache, v_cache, positions, rows=None: torch.empty_like(
-        q
-    ),  # out [B, H, R, D] like q
+    # out [B, H, R, D], contiguous whatever q's strides (the kernel's output; empty_like would keep
+    # q's, and Inductor, which may hand q in as a transposed view, would then misread the result)
+    "attend": lambda q, k_cache, v_cache, positions, rows=None: q.new_empty(q.shape),
     "linear_f32": _linear_fake,
     "linear_f16": _linear_fake,
     "linear_bf16": _linear_fake,

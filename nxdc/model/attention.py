@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nxdc.model.layers import Linear, RMSNorm, apply_rope
+from nxdc.model.layers import KERNEL_DTYPES, Linear, RMSNorm, apply_rope
 from nxdc.model.parallel import all_reduce
 from nxdc.model.sharding import HEAD_COLS, KV_HEADS, Q_HEADS, Part, ShardLayout
 from nxdc.spec import ModelSpec
@@ -36,7 +36,7 @@ def use_functional_kv(model: nn.Module, enabled: bool = True) -> None:
 
 
 class Attention(nn.Module):
-    kernels = False  # nxdc::attend for prefill, decode and verify (fp32 on CPU); set by use_kernels
+    kernels = False  # nxdc::attend for prefill, decode and verify (on CPU); set by use_kernels
     functional_kv = False  # set by use_functional_kv
 
     def __init__(
@@ -121,10 +121,11 @@ class Attention(nn.Module):
             self.k_cache, self.v_cache = k_cache, v_cache
         # [B, Hq, T, D] -> [B, Hkv, G*T, D]: query heads kv*G .. kv*G+G-1 share KV head kv.
         qg = q.reshape(bsz, n_kv, group * t, d)
-        if self.kernels and q.dtype == torch.float32 and d % 8 == 0:
+        if self.kernels and q.dtype in KERNEL_DTYPES and d % 8 == 0:
             # each row reads only the slots up to its own position (the mask): decode, verify, and
-            # a fresh prefill, whose keys / values are in the cache by now (and whose mask is causal)
-            out = torch.ops.nxdc.attend(qg, self.k_cache, self.v_cache, positions, rows)
+            # a fresh prefill, whose keys / values are in the cache by now (and whose mask is causal);
+            # fp16 / bf16 queries (--dtype) in as fp32, the output rounded back
+            out = torch.ops.nxdc.attend(qg.float(), self.k_cache, self.v_cache, positions, rows).to(q.dtype)
         else:
             if kv_len is None:  # the new keys / values as the cache holds them (--kv-cache rounds)
                 keys, values = k.to(self.k_cache.dtype), v.to(self.v_cache.dtype)

@@ -32,6 +32,11 @@ class RMSNorm(nn.Module):
 # torch dtype and nxdc kernel op of each kind (int4: two weights a uint8).
 STORED = {"fp16": torch.float16, "bf16": torch.bfloat16, "int8": torch.int8, "int4": torch.uint8}
 LOWP_OPS = {"fp16": "linear_f16", "bf16": "linear_bf16", "int8": "linear_i8", "int4": "linear_i4"}
+# The kernels' op for a weight kept in the compute dtype (``--dtype``, no ``--weights``).
+DTYPE_OPS = {torch.float32: "linear_f32", torch.float16: "linear_f16", torch.bfloat16: "linear_bf16"}
+# Activations the kernels take: fp32 as they are; fp16 / bf16 (``--dtype``) converted to fp32 on
+# the way in and rounded back on the way out, as transformers' fp32-accumulating matmul rounds.
+KERNEL_DTYPES = frozenset(DTYPE_OPS)
 
 
 def quant_params(module: nn.Module) -> tuple[torch.Tensor, ...]:
@@ -52,14 +57,16 @@ def dequantized(q: torch.Tensor, fmt: WeightFormat, scale: torch.Tensor, mins, d
 
 class Linear(nn.Module):
     """``nn.Linear``'s parameters (``weight [out, in]``, optional ``bias``) with a choice of
-    kernel: when ``kernels`` is set (nxdc's CPU kernels are in use, decided at export) and the
-    activations are fp32, every call (decode and prefill) runs ``nxdc::linear_f32``
-    (``kernels/linear.cpp``), which streams the weight once however many rows there are.
+    kernel: when ``kernels`` is set (nxdc's CPU kernels are in use, decided at export), every call
+    (decode and prefill) runs the kernel of the weight's format (``kernels/linear.cpp``), which
+    streams the weight once however many rows there are: ``nxdc::linear_f32`` / ``_f16`` /
+    ``_bf16`` for a weight in the compute dtype, the format's op for a stored one. fp16 / bf16
+    activations (``--dtype``) go in as fp32 and come out rounded to their dtype.
 
     ``store_as(name)`` keeps the weight in that format (``model/weight_format.py``: fp16, bf16, or
     int8 / int4 with an fp32 ``scale`` per row or group and, asymmetric, a ``min`` per group);
-    activations, bias and accumulation stay in the compute dtype. With the kernels, every call reads the stored weight directly (prefill too);
-    without them (CUDA, CPUs without AVX2) it is converted per call and PyTorch's matmul runs."""
+    activations, bias and accumulation stay in the compute dtype. Without the kernels (CUDA, CPUs
+    without AVX2) a stored weight is converted per call and PyTorch's matmul runs."""
 
     kernels = False  # set per instance by the exporter / runtime builder (use_kernels)
     stored: str | None = None  # the format's kind (fp16 | bf16 | int8 | int4); None: compute dtype
@@ -99,39 +106,36 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         k = x.shape[-1]
-        rows = x.numel() // k
-        if self.stored is not None:
-            y = self._reduced(x.reshape(rows, k)).view(*x.shape[:-1], self.weight.shape[0])
-            return y + self.bias if self.bias is not None else y
-        if self.kernels and x.dtype == torch.float32:
-            y = torch.ops.nxdc.linear_f32(x.reshape(rows, k), self.weight)
-            y = y.view(*x.shape[:-1], self.weight.shape[0])
-            return y + self.bias if self.bias is not None else y
-        return F.linear(x, self.weight, self.bias)
+        x2 = x.reshape(x.numel() // k, k)
+        if self.kernels and x.dtype in KERNEL_DTYPES:
+            op = LOWP_OPS[self.stored] if self.stored is not None else DTYPE_OPS[self.weight.dtype]
+            y = getattr(torch.ops.nxdc, op)(x2.float(), self.weight, *self._quant()).to(x.dtype)
+        elif self.stored is not None:
+            y = F.linear(x2, self._dequantized(x.dtype))
+        else:
+            return F.linear(x, self.weight, self.bias)
+        y = y.view(*x.shape[:-1], self.weight.shape[0])
+        return y + self.bias if self.bias is not None else y
 
     def swiglu(self, x: torch.Tensor) -> torch.Tensor:
         """``silu(gate) * up`` for a weight that stacks ``[gate; up]`` (an MLP's gate_up_proj).
-        With the kernels (fp32 activations, no bias) one ``nxdc::swiglu`` call does both matvecs and
-        the product, each thread on its own columns (``kernels/linear.cpp``); otherwise this
-        Linear, then PyTorch's SiLU on the halves."""
-        if self.kernels and self.bias is None and x.dtype == torch.float32:
+        With the kernels (no bias) one ``nxdc::swiglu`` call does both matvecs and the product,
+        each thread on its own columns (``kernels/linear.cpp``); otherwise this Linear, then
+        PyTorch's SiLU on the halves."""
+        if self.kernels and self.bias is None and x.dtype in KERNEL_DTYPES:
             k = x.shape[-1]
-            quant = quant_params(self) if self.fmt is not None and self.fmt.quantized else ()
-            y = torch.ops.nxdc.swiglu(x.reshape(-1, k), self.weight, *quant)
+            y = torch.ops.nxdc.swiglu(x.reshape(-1, k).float(), self.weight, *self._quant()).to(x.dtype)
             return y.view(*x.shape[:-1], y.shape[-1])
         gate, up = self(x).chunk(2, dim=-1)
         return F.silu(gate) * up
 
-    def _reduced(self, x: torch.Tensor) -> torch.Tensor:
-        quant = self.fmt.quantized
-        if self.kernels:
-            args = (x, self.weight, *quant_params(self)) if quant else (x, self.weight)
-            return getattr(torch.ops.nxdc, LOWP_OPS[self.stored])(*args)
-        if quant:
-            w = dequantized(self.weight, self.fmt, self.scale, getattr(self, "min", None), x.dtype)
-        else:
-            w = self.weight.to(x.dtype)
-        return F.linear(x, w)
+    def _quant(self) -> tuple[torch.Tensor, ...]:
+        return quant_params(self) if self.fmt is not None and self.fmt.quantized else ()
+
+    def _dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        if self.fmt.quantized:
+            return dequantized(self.weight, self.fmt, self.scale, getattr(self, "min", None), dtype)
+        return self.weight.to(dtype)
 
 
 class Embedding(nn.Module):
