@@ -77,6 +77,13 @@ class ExportPlan:
     weight_map: dict[str, str] | None = None  # weights "gguf": module -> format (model/weight_format.py)
 
     @property
+    def host_device(self) -> str:
+        """The torch device the plan's decoder is traced on and its weights loaded on: ``device``,
+        except under the neuron backend, whose ``--device`` (trn1 | trn2 | inf2) is a compile
+        target; its tensors stay on the CPU and NxDModel.set_weights moves them to the device."""
+        return "cpu" if self.backend == "neuron" else self.device
+
+    @property
     def weight_format(self) -> str:
         """How linear layers (and the embedding) store their weights; see docs/weights.md."""
         return self.weights or self.dtype

@@ -38,7 +38,7 @@ def meta_decoder(spec: ModelSpec, plan: ExportPlan) -> Decoder:
 
 
 def build_decoder(spec: ModelSpec, plan: ExportPlan, kernels: bool = False) -> Decoder:
-    model = meta_decoder(spec, plan).to_empty(device=plan.device).eval()
+    model = meta_decoder(spec, plan).to_empty(device=plan.host_device).eval()
     use_kernels(model, kernels)
     use_functional_kv(model, plan.kv_update == "functional")
     return model
@@ -47,12 +47,7 @@ def build_decoder(spec: ModelSpec, plan: ExportPlan, kernels: bool = False) -> D
 def kernels_apply(plan: ExportPlan) -> bool:
     """nxdc's CPU kernels are for inductor graphs on CPU (every ``--dtype``: fp16 / bf16
     activations enter them as fp32), on CPUs with AVX2/FMA, unless disabled."""
-    return (
-        plan.backend == "inductor"
-        and plan.device == "cpu"
-        and cpu_supported()
-        and not disabled()
-    )
+    return plan.backend == "inductor" and plan.device == "cpu" and cpu_supported() and not disabled()
 
 
 def wants_kernels(plan: ExportPlan, cache=None) -> bool:

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from nxdc.cache.keys import sha256_file
-from nxdc.compile.backends import Graph, GraphState, get_backend
+from nxdc.compile.backends import IN_PROCESS_TP, Graph, GraphState, get_backend
 from nxdc.errors import ExportDirError
 from nxdc.kernels import load_export_library
 from nxdc.manifest import Manifest, load_manifest
@@ -41,8 +41,8 @@ class Session:
         self.rank = rank
         self.layout = shard_layout(self.spec, self.plan.tp)
         self.threads = apply_threads(threads)
-        self.device = self.plan.device
-        backend = get_backend(self.plan.backend, self.device)
+        self.device = self.plan.host_device  # where tensors are loaded (neuron: cpu, not its target)
+        backend = get_backend(self.plan.backend, self.plan.device)
         if self.manifest.kernels:  # graphs call nxdc::linear_* / attend: load the library
             load_export_library(self.dir, self.manifest.kernels, self.manifest.kernel_library, verify)
         self.state = GraphState(
@@ -50,6 +50,9 @@ class Session:
             [GRAPH_PREFIX + n for n in kv_cache_names(self.spec)],
             tp=self.plan.tp,
         )
+        if self.plan.tp > 1 and self.plan.backend in IN_PROCESS_TP:  # one process feeds every rank
+            others = [backend.place(self._constants(r)) for r in range(1, self.plan.tp)]
+            self.state.extra["ranks"] = [self.state.tensors, *others]
         self.graphs: dict[str, Graph] = {}
         for name, art in self.manifest.artifacts.items():
             files = {}
@@ -78,9 +81,10 @@ class Session:
         """The rank's weights, rope tables and KV caches by graph constant name."""
         return self.state.tensors
 
-    def _constants(self) -> dict[str, torch.Tensor]:
-        info = self.manifest.rank_weights(self.rank)
-        path = self.dir / "weights" / (info.path if info else f"rank{self.rank}.safetensors")
+    def _constants(self, rank: int | None = None) -> dict[str, torch.Tensor]:
+        rank = self.rank if rank is None else rank
+        info = self.manifest.rank_weights(rank)
+        path = self.dir / "weights" / (info.path if info else f"rank{rank}.safetensors")
         if info is None or not path.is_file() or path.stat().st_size != info.bytes:
             raise ExportDirError(
                 f"{self.dir}: weights file {path.name} is missing or truncated: re-run nxdc export"
@@ -90,7 +94,7 @@ class Session:
         kv_dtype = TORCH_DTYPES[p.kv_format]
         kv_names = kv_cache_names(s)
         loaded = load_file(str(path), device=self.device)
-        if torch.device(self.device).type == "cpu":  # weights + KV cache on huge pages (arena.py)
+        if self.plan.device == "cpu":  # weights + KV cache on huge pages (arena.py)
             self.arena = HostArena(
                 HostArena.bytes_for(loaded.values())
                 + HostArena.bytes_for([(kv_shape, kv_dtype)] * len(kv_names))
@@ -103,8 +107,8 @@ class Session:
             state.update({n: torch.zeros(kv_shape, dtype=kv_dtype, device=self.device) for n in kv_names})
         del loaded  # drops the file mapping
         if s.tie_word_embeddings:
-            tie_lm_head(state, lambda t: tied_lm_head(t, self.layout, self.rank))
-        state.update(runtime_constants(s, p.sequence_length, self.rank, p.tp, self.device))
+            tie_lm_head(state, lambda t: tied_lm_head(t, self.layout, rank))
+        state.update(runtime_constants(s, p.sequence_length, rank, p.tp, self.device))
         return {GRAPH_PREFIX + k: v for k, v in state.items()}
 
     @property

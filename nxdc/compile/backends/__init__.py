@@ -5,8 +5,9 @@ A backend builds a bucket from the model (it traces as it needs to), writes one 
 per bucket, names the cache namespace and key parts that decide its code, and loads the files
 with the rank's weights and KV caches (``GraphState``). ``inductor`` (torch.export +
 AOTInductor, CPU or CUDA) is the default; ``xla`` (torch.export -> StableHLO on torch-xla's CPU
-client) runs in its own environment (``make test-xla``); ``neuron`` (NxD ModelBuilder -> NEFF)
-needs the AWS Neuron SDK. docs/backends.md and docs/neuron.md say what each has been run on."""
+client) runs in its own environment (``make test-xla``); ``neuron`` (NxD trace / compile ->
+NEFF, run by one NxDModel for every rank) needs the AWS Neuron SDK. docs/backends.md and
+docs/neuron.md say what each has been run on."""
 
 from __future__ import annotations
 
@@ -21,6 +22,9 @@ from nxdc.errors import UnsupportedError, UserInputError
 from nxdc.plan import ExportPlan
 
 NAMES = ("inductor", "xla", "neuron")
+# Backends whose runtime drives every rank of a tp > 1 export from one process (neuron: one
+# NxDModel(world_size=tp) fed every rank's weights); the others run one process per rank.
+IN_PROCESS_TP = ("neuron",)
 
 
 @dataclass

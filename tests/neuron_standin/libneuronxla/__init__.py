@@ -1,0 +1,1 @@
+"""CONTRACT STAND-IN for libneuronxla (tests/neuron_standin/README.md)."""
