@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import resource
 import shutil
 import tempfile
 import time
@@ -15,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
 import nxdc
 from nxdc.archs import get_arch, spec_from_config
@@ -28,6 +28,7 @@ from nxdc.compile.graph_keys import key_parts, namespace
 from nxdc.compile.trace import (
     build_decoder,
     input_specs,
+    kernels_apply,
     meta_decoder,
     rank_weight_bytes,
     wants_kernels,
@@ -47,6 +48,7 @@ from nxdc.plan import ExportOptions, ExportPlan, kv_cache_bytes, make_plan, plan
 from nxdc.progress import NullReporter, Reporter
 from nxdc.spec import ModelSpec
 from nxdc.weights.gguf_quant import requantize
+from nxdc.weights.safetensors_io import SafetensorsWriter
 from nxdc.weights.shard import rank_tensor
 from nxdc.weights.sources import ModelSource, resolve
 
@@ -67,6 +69,7 @@ class ExportResult:
     plan: ExportPlan
     buckets: list[BucketResult] = field(default_factory=list)
     seconds: float = 0.0
+    peak_rss_mib: float = 0.0  # this process's, or a compiler child's if larger (Linux: KiB units)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -76,6 +79,7 @@ class ExportResult:
             "cache_hits": sum(b.hit for b in self.buckets),
             "compiled": sum(not b.hit for b in self.buckets),
             "seconds": round(self.seconds, 2),
+            "peak_rss_mib": round(self.peak_rss_mib, 1),
         }
 
 
@@ -89,8 +93,8 @@ def prepare(
     plan = make_plan(spec, opts)
     get_backend(plan.backend, plan.device)  # refuses an unavailable backend or device now
     spec = planned_spec(spec, opts)
-    if plan.weights == weight_format.AUTO:  # a GGUF file's own formats, else the compute dtype
-        keep = src.kind == "gguf"
+    if plan.weights == weight_format.AUTO or keeps_gguf_by_default(src, opts, plan):
+        keep = src.kind == "gguf"  # a GGUF file's own formats, else the compute dtype
         plan = dataclasses.replace(
             plan,
             weights=weight_format.GGUF if keep else None,
@@ -99,6 +103,14 @@ def prepare(
     if opts.num_layers:  # the export's config.json describes the model it holds
         cfg = {**cfg, "num_hidden_layers": opts.num_layers}
     return src, cfg, spec, plan
+
+
+def keeps_gguf_by_default(src: ModelSource, opts: ExportOptions, plan: ExportPlan) -> bool:
+    """Whether an export that names no ``--weights`` keeps a GGUF file's quantized tensors as
+    stored (``--weights auto``): at ``--dtype fp32`` where nxdc's CPU kernels read the stored
+    formats. Elsewhere (CUDA, XLA, no AVX2) a kept weight would be converted on every call, so
+    the file is dequantized into the compute dtype once, at export."""
+    return src.kind == "gguf" and opts.weights is None and plan.dtype == "fp32" and kernels_apply(plan)
 
 
 def gguf_weight_map(src: ModelSource, spec: ModelSpec, plan: ExportPlan) -> dict[str, str]:
@@ -134,7 +146,8 @@ def gguf_weight_map(src: ModelSource, spec: ModelSpec, plan: ExportPlan) -> dict
 
 def write_weights(src: ModelSource, spec: ModelSpec, plan: ExportPlan, rank: int, path: Path) -> FileRef:
     """Map, shard, cast and check every tensor for one rank; write its safetensors file in the
-    runtime dtype. Holds one rank's share plus one source tensor at a time."""
+    runtime dtype, tensor by tensor (``weights/safetensors_io.py``): holds one source tensor at a time,
+    plus the parts of a fused q/k/v or gate/up until the last arrives."""
     arch = get_arch(spec.arch)
     if src.kind == "gguf" and not arch.gguf:  # GGUF names/permutations are mapped for Llama only
         raise UnsupportedError(
@@ -149,45 +162,46 @@ def write_weights(src: ModelSource, spec: ModelSpec, plan: ExportPlan, rank: int
     dense = meta_decoder(spec, dataclasses.replace(plan, weights=None)).stored_state()
     expected = {n: tuple(p.shape) for n, p in dense.items()}  # this rank's shapes before quantizing
     dtype = TORCH_DTYPES[plan.dtype]
-    tensors: dict[str, torch.Tensor] = {}
     parts: dict[str, dict[int, torch.Tensor]] = {}  # combined name -> this rank's parts so far
-    for hf_name, t in src.tensors(spec):
-        name = arch.weight_name(hf_name)
-        target = targets.get(name) if name is not None else None
-        if target is None or target.stored not in expected:
-            continue
-        stored = target.stored
-        want = part_shape(target, spec, tp1, tuple(full[stored].shape))
-        if tuple(t.shape) != tuple(want):
-            raise UserInputError(
-                f"{src.name}: weight {hf_name} has shape {tuple(t.shape)}, the config implies {tuple(want)}"
-            )
-        module = stored.rpartition(".")[0]
-        fmt = weight_format.module_format(plan.weights, module, plan.weight_map) if plan.weights else None
-        kept = plan.weights == weight_format.GGUF and fmt is not None and stored.endswith(".weight")
-        if kept:  # values, scales and mins through the same cuts ([rows, K, 3])
-            t = t.with_params()
-        w = rank_tensor(target.role, name.rpartition(".")[2], t, spec, layout, rank).to(dtype)
-        if target.count > 1:  # a q/k/v, gate/up or expert part (model/fused.py)
-            got = parts.setdefault(stored, {})
-            got[target.index] = w
-            if len(got) < target.count:
+    with SafetensorsWriter(path, meta, metadata={"format": "pt"}) as out:
+        for hf_name, t in src.tensors(spec):
+            name = arch.weight_name(hf_name)
+            target = targets.get(name) if name is not None else None
+            if target is None or target.stored not in expected:
                 continue
-            w = combine(target, [got[i] for i in range(target.count)])
-            del parts[stored]
-        if kept:
-            w, s, m = w.unbind(-1)
-        if tuple(w.shape) != expected[stored]:  # a sharding bug, not a user error
-            raise AssertionError(f"{stored}: rank {rank} shard {tuple(w.shape)} != {expected[stored]}")
-        if kept:
-            q, scale, mins = requantize(w, s, m, weight_format.parse(fmt), f"{src.name}: {hf_name}")
-            tensors.update(_quantized(stored, q, scale, mins))
-        else:
-            tensors.update(stored_tensors(stored, w, meta[stored].dtype, fmt))
-    missing = sorted(set(meta) - set(tensors))
-    if missing:
-        raise UserInputError(f"{src.name}: weights missing from the checkpoint: {', '.join(missing[:5])}")
-    save_file(tensors, os.fspath(path), metadata={"format": "pt"})
+            stored = target.stored
+            want = part_shape(target, spec, tp1, tuple(full[stored].shape))
+            if tuple(t.shape) != tuple(want):
+                raise UserInputError(
+                    f"{src.name}: weight {hf_name} has shape {tuple(t.shape)}, the config implies {tuple(want)}"
+                )
+            module = stored.rpartition(".")[0]
+            fmt = weight_format.module_format(plan.weights, module, plan.weight_map) if plan.weights else None
+            kept = plan.weights == weight_format.GGUF and fmt is not None and stored.endswith(".weight")
+            if kept:  # values, scales and mins through the same cuts ([rows, K, 3])
+                t = t.with_params()
+            w = rank_tensor(target.role, name.rpartition(".")[2], t, spec, layout, rank).to(dtype)
+            if target.count > 1:  # a q/k/v, gate/up or expert part (model/fused.py)
+                got = parts.setdefault(stored, {})
+                got[target.index] = w
+                if len(got) < target.count:
+                    continue
+                w = combine(target, [got[i] for i in range(target.count)])
+                del parts[stored]
+            if kept:
+                w, s, m = w.unbind(-1)
+            if tuple(w.shape) != expected[stored]:  # a sharding bug, not a user error
+                raise AssertionError(f"{stored}: rank {rank} shard {tuple(w.shape)} != {expected[stored]}")
+            if kept:
+                q, scale, mins = requantize(w, s, m, weight_format.parse(fmt), f"{src.name}: {hf_name}")
+                tensors = _quantized(stored, q, scale, mins)
+            else:
+                tensors = stored_tensors(stored, w, meta[stored].dtype, fmt)
+            for n, v in tensors.items():
+                out.write(n, v)
+        missing = sorted(set(meta) - out.done)
+        if missing:
+            raise UserInputError(f"{src.name}: weights missing from the checkpoint: {', '.join(missing[:5])}")
     return FileRef(path=path.name, bytes=path.stat().st_size, sha256=sha256_file(path))
 
 
@@ -345,6 +359,8 @@ def run_export(
         raise
     record_export(cache, manifest, namespace(backend))  # for `nxdc cache lookup`; never fails the export
     result.seconds = time.perf_counter() - t0
+    usage = (resource.getrusage(who).ru_maxrss for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+    result.peak_rss_mib = max(usage) / 1024
     return result
 
 

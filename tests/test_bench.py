@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from nxdc.cli.main import app
@@ -82,13 +83,35 @@ def test_bench_bad_input(tiny_gqa_export, flags, needle):
     assert needle in res.stderr and "Traceback" not in res.stderr
 
 
-def test_compare_refuses_int8_weight_exports(tmp_path):
+@pytest.mark.parametrize("fmt", ["int8", "int4", "int4-sym"])
+def test_compare_rebuilds_quantized_exports(tmp_path, fmt):
+    """``--compare transformers`` on an int8 / int4 export runs transformers on the values the
+    export holds (dequantized as nxdc's kernels read them): its logits are nxdc's eager logits
+    on the same stored weights."""
     from types import SimpleNamespace
 
-    from nxdc.bench.reference import transformers_model
-    from nxdc.errors import UserInputError
+    from safetensors.torch import save_file
+    from test_parity_eager import build
+    from test_weights import _prefill_logits, _tiny_models
 
-    for weights in ("int8", "int8-g32", "int4-asym-g32"):
-        with pytest.raises(UserInputError, match=f"cannot rebuild a quantized-weight export \\({weights}"):
-            plan = SimpleNamespace(tp=1, dtype="fp32", weights=weights)
-            transformers_model(tmp_path, SimpleNamespace(plan=plan))
+    from nxdc.bench.reference import transformers_model
+    from nxdc.plan import ExportOptions, make_plan
+
+    hf, _ = build("gqa", torch.float32, batch=1, max_seq=32)
+    _, low = _tiny_models(fmt, kernels=False)
+    hf.config.save_pretrained(tmp_path)
+    (tmp_path / "weights").mkdir()
+    state = {k: v.contiguous() for k, v in low.state_dict().items() if not k.endswith("_cache")}
+    save_file(state, str(tmp_path / "weights" / "rank0.safetensors"))
+    plan = make_plan(
+        low.spec, ExportOptions(batch_size=1, sequence_length=32, context_buckets=(16,), weights=fmt)
+    )
+    manifest = SimpleNamespace(
+        plan=plan, spec=low.spec, rank_weights=lambda r: SimpleNamespace(path="rank0.safetensors")
+    )
+    model = transformers_model(tmp_path, manifest)
+    torch.manual_seed(3)
+    ids = torch.randint(3, 256, (1, 12))
+    with torch.no_grad():
+        theirs = model(ids).logits
+    assert float((theirs - _prefill_logits(low)).abs().max()) < 1e-4

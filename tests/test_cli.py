@@ -34,7 +34,14 @@ def assert_error(args, code, *needles):
 @pytest.mark.parametrize(
     "command, shown",
     [
-        (["export"], ["[default: 1]", "[default: fp32]", "[default: --dtype]"]),
+        (
+            ["export"],
+            [
+                "[default: 1]",
+                "[default: fp32]",
+                "[default: auto for GGUF at --dtype fp32 on CPU, else --dtype]",
+            ],
+        ),
         (["generate"], ["[default: cores available]"]),
         (["cache", "list"], ["[default: local, plus the remote"]),
     ],
@@ -119,7 +126,12 @@ def test_dry_run_reads_no_weights(tmp_path):
     plan = json.loads(out)
     assert plan["arch"] == "llama"
     assert [b["length"] for b in plan["plan"]["buckets"]] == [128, 256, 512, 1024, 256, 512, 1024]
-    assert plan["weight_bytes"] == plan["params"] * 4
+    from nxdc.kernels import cpu_supported, disabled
+
+    if cpu_supported() and not disabled():  # the GGUF's Q4_1 / Q8_0 tensors kept (the default)
+        assert plan["plan"]["weights"] == "gguf" and plan["weight_bytes"] < plan["params"]
+    else:  # dequantized to fp32
+        assert plan["weight_bytes"] == plan["params"] * 4
     assert not (tmp_path / "o").exists()
 
 

@@ -164,6 +164,7 @@ def test_smollm2_gguf_kept_as_stored_gives_the_dequantized_logits():
     tensors holding the file's bits, and teacher-forced logits equal to the fp32 export's (the
     file dequantized) within fp32 rounding of the kernels' sums."""
     from nxdc.accuracy import measure_formats
+    from nxdc.compile.trace import kernels_apply
     from nxdc.export import prepare
     from nxdc.plan import ExportOptions
 
@@ -171,5 +172,12 @@ def test_smollm2_gguf_kept_as_stored_gives_the_dequantized_logits():
     assert plan.weights == "gguf"
     assert set(plan.weight_map.values()) == {"int4-asym-g32", "int8-g32"}
     assert plan.weight_map["lm_head"] == plan.weight_map["embed_tokens"] == "int8-g32"
+    # the default for a GGUF file at --dtype fp32 where nxdc's kernels run; --weights fp32 dequantizes
+    default = prepare("smollm2-135m", ExportOptions(sequence_length=256))[3]
+    assert (default.weights, default.weight_map) == (
+        (plan.weights, plan.weight_map) if kernels_apply(plan) else (None, None)
+    )
+    assert prepare("smollm2-135m", ExportOptions(sequence_length=256, weights="fp32"))[3].weights is None
+    assert prepare("smollm2-135m", ExportOptions(sequence_length=256, dtype="bf16"))[3].weights is None
     (r,) = measure_formats("smollm2-135m", ExportOptions(sequence_length=256), ["auto"])
     assert r["top1_agreement"] == 1.0 and r["max_abs_logit_error"] < 1e-3, r

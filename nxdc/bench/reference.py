@@ -1,5 +1,6 @@
 """The transformers model for an export, rebuilt from the export's own config and weights
-(same dtype, same values), so `--compare transformers` needs nothing but the export dir."""
+(same dtype, same values: quantized weights dequantized as nxdc's kernels read them), so
+`--compare transformers` needs nothing but the export dir."""
 
 from __future__ import annotations
 
@@ -12,10 +13,10 @@ from nxdc.archs import get_arch
 from nxdc.compile.trace import meta_decoder
 from nxdc.errors import UserInputError
 from nxdc.manifest import Manifest
-from nxdc.model import weight_format
 from nxdc.model.decoder import TIED
 from nxdc.model.dtypes import TORCH_DTYPES
 from nxdc.model.fused import unfuse_state_dict
+from nxdc.model.layers import dequantized
 
 
 def transformers_model(export_dir: Path, manifest: Manifest):
@@ -24,16 +25,12 @@ def transformers_model(export_dir: Path, manifest: Manifest):
     plan = manifest.plan
     if plan.tp != 1:
         raise UserInputError(f"--compare transformers needs a --tp 1 export ({export_dir} is tp {plan.tp})")
-    if weight_format.quantized(plan.weights):
-        raise UserInputError(
-            f"--compare transformers cannot rebuild a quantized-weight export ({plan.weights}: {export_dir}): "
-            "compare the fp32 export of the same model, or use --check-accuracy at export"
-        )
     dtype = TORCH_DTYPES[plan.dtype]
     cfg = AutoConfig.from_pretrained(export_dir)
     model = AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
     ours = load_file(str(Path(export_dir) / "weights" / manifest.rank_weights(0).path))
-    ours = unfuse_state_dict(ours, meta_decoder(manifest.spec, plan))
+    meta = meta_decoder(manifest.spec, plan)
+    ours = unfuse_state_dict(dequantized_state(ours, meta, dtype), meta)
     arch = get_arch(manifest.spec.arch)
     state = {arch.hf_name(k): v for k, v in ours.items()}
     result = model.load_state_dict(state, strict=False)
@@ -47,6 +44,18 @@ def transformers_model(export_dir: Path, manifest: Manifest):
     if cfg.tie_word_embeddings:
         model.tie_weights()
     return model.to(plan.device)  # the export's device: same hardware both sides
+
+
+def dequantized_state(state: dict[str, torch.Tensor], meta, dtype) -> dict[str, torch.Tensor]:
+    """A stored state with every quantized weight (``--weights int8 / int4 / auto``) replaced by
+    its values in ``dtype``, as nxdc's kernels compute with them: transformers then runs the
+    very numbers the export holds."""
+    for name, module in meta.named_modules():
+        fmt = getattr(module, "fmt", None)
+        if fmt is not None and fmt.quantized and f"{name}.weight" in state:
+            scale, mins = state.pop(f"{name}.scale"), state.pop(f"{name}.min", None)
+            state[f"{name}.weight"] = dequantized(state[f"{name}.weight"], fmt, scale, mins, dtype)
+    return state
 
 
 def transformers_generate(model, ids: list[list[int]], new_tokens: int) -> dict:

@@ -126,7 +126,8 @@ def export(
     elif not quiet:
         err_console.print(
             f"[bold green]exported[/] {output} in {summary['seconds']:.1f}s "
-            f"({summary['cache_hits']} cache hits, {summary['compiled']} compiled)"
+            f"({summary['cache_hits']} cache hits, {summary['compiled']} compiled; "
+            f"peak memory {summary['peak_rss_mib'] / 1024:.1f} GiB)"
         )
         if check_accuracy:
             err_console.print(

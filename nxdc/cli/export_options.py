@@ -32,7 +32,8 @@ WEIGHTS = typer.Option(
     "--weights",
     help="Weight storage: fp32 | fp16 | bf16 | int8 | int8-row | int4 | int4-sym | auto. int8 / int4 scale "
     "groups of 32 inputs (-gG for G, e.g. int4-g64); auto keeps a GGUF file's own quantized tensors "
-    "(activations stay --dtype fp32; docs/weights.md). \\[default: --dtype]",
+    "(activations stay --dtype fp32; docs/weights.md). \\[default: auto for GGUF at --dtype fp32 on CPU, "
+    "else --dtype]",
 )
 KV_CACHE = typer.Option(
     None,

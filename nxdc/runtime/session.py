@@ -18,6 +18,7 @@ from nxdc.model.dtypes import TORCH_DTYPES
 from nxdc.model.sharding import shard_layout
 from nxdc.runtime.arena import HostArena
 from nxdc.runtime.threads import apply_threads
+from nxdc.weights.safetensors_io import read_into, read_layout
 from nxdc.weights.shard import tied_lm_head
 
 
@@ -93,19 +94,21 @@ class Session:
         kv_shape = (p.batch_size, self.layout.kv, p.sequence_length, s.head_dim)  # as Attention's buffers
         kv_dtype = TORCH_DTYPES[p.kv_format]
         kv_names = kv_cache_names(s)
-        loaded = load_file(str(path), device=self.device)
-        if self.plan.device == "cpu":  # weights + KV cache on huge pages (arena.py)
-            self.arena = HostArena(
-                HostArena.bytes_for(loaded.values())
-                + HostArena.bytes_for([(kv_shape, kv_dtype)] * len(kv_names))
-            )
-            state = {k: self.arena.copy(v) for k, v in loaded.items()}
+        if self.plan.device == "cpu":  # weights + KV cache on huge pages (arena.py), read straight in
+            try:
+                layout, _ = read_layout(path)
+                self.arena = HostArena(
+                    HostArena.bytes_for((shape, dtype) for dtype, shape, _, _ in layout.values())
+                    + HostArena.bytes_for([(kv_shape, kv_dtype)] * len(kv_names))
+                )
+                state = read_into(path, self.arena.empty)
+            except ValueError as e:
+                raise ExportDirError(f"{self.dir}: {e}: re-run nxdc export") from None
             state.update({n: self.arena.zeros(kv_shape, kv_dtype) for n in kv_names})
         else:
             self.arena = None
-            state = dict(loaded)
+            state = load_file(str(path), device=self.device)
             state.update({n: torch.zeros(kv_shape, dtype=kv_dtype, device=self.device) for n in kv_names})
-        del loaded  # drops the file mapping
         if s.tie_word_embeddings:
             tie_lm_head(state, lambda t: tied_lm_head(t, self.layout, rank))
         state.update(runtime_constants(s, p.sequence_length, rank, p.tp, self.device))
