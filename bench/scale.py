@@ -347,7 +347,7 @@ def find_llama_src(bin_dir: Path) -> Path | None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--llama-bin", type=Path, required=True, help="llama-batched-bench and llama-quantize")
+    ap.add_argument("--llama-bin", type=Path, help="llama-batched-bench and llama-quantize (required to run)")
     ap.add_argument("--llama-src", type=Path, help="llama.cpp source tree (convert_hf_to_gguf.py)")
     ap.add_argument("--shapes", default="1b,8b", help=f"of {', '.join(SHAPES)}")
     ap.add_argument(
@@ -363,7 +363,15 @@ def main() -> None:
     )
     ap.add_argument("--docs", action="store_true", help="write the table into docs/performance.md")
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--render", type=Path, nargs="+", help="only write docs from these result files")
     args = ap.parse_args()
+    if args.render:
+        reports = [json.loads(f.read_text()) for f in args.render]
+        results = {s: r for rep in reports for s, r in rep["results"].items()}
+        write_docs(table(results), _meta(reports, [f.resolve().relative_to(ROOT) for f in args.render]))
+        return
+    if args.llama_bin is None:
+        sys.exit("error: --llama-bin is required (or --render)")
     args.llama_src = args.llama_src or find_llama_src(args.llama_bin)
     shapes, fmts = args.shapes.split(","), args.formats.split(",")
     bad = [s for s in shapes if s not in SHAPES] + [f for f in fmts if f not in FORMATS]
@@ -398,13 +406,17 @@ def main() -> None:
     md = table(results)
     print(md)
     if args.docs:
-        r = _report(args, results)
-        meta = (
-            f"{r['cpu']}, {args.threads} threads, read bandwidth {r['read_bandwidth_gbs']} GB/s; batch 1, "
-            f"prompt {args.prompt_length}, {args.new_tokens} new tokens, {args.rounds} rounds alternated; "
-            f"{r['llama_cpp_version']}. `bench/scale.py`, {args.out.relative_to(ROOT)}."
-        )
-        write_docs(md, meta)
+        write_docs(md, _meta([_report(args, results)], [args.out.resolve().relative_to(ROOT)]))
+
+
+def _meta(reports: list[dict], files: list) -> str:
+    r = reports[0]
+    rounds = ", ".join(f"{s} {rep['rounds']}" for rep in reports for s in rep["results"])
+    return (
+        f"{r['cpu']}, {r['threads']} threads, read bandwidth {r['read_bandwidth_gbs']} GB/s; batch 1, "
+        f"prompt {r['prompt_length']}, {r['new_tokens']} new tokens; rounds alternated: {rounds}; "
+        f"{r['llama_cpp_version']}. `bench/scale.py`; {', '.join(map(str, files))}."
+    )
 
 
 def _report(args, results: dict) -> dict:
