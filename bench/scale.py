@@ -345,7 +345,7 @@ def find_llama_src(bin_dir: Path) -> Path | None:
     return None
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--llama-bin", type=Path, help="llama-batched-bench and llama-quantize (required to run)")
     ap.add_argument("--llama-src", type=Path, help="llama.cpp source tree (convert_hf_to_gguf.py)")
@@ -364,7 +364,11 @@ def main() -> None:
     ap.add_argument("--docs", action="store_true", help="write the table into docs/performance.md")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--render", type=Path, nargs="+", help="only write docs from these result files")
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
     if args.render:
         reports = [json.loads(f.read_text()) for f in args.render]
         results = {s: r for rep in reports for s, r in rep["results"].items()}
