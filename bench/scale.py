@@ -371,7 +371,10 @@ def main() -> None:
     args = parse_args()
     if args.render:
         reports = [json.loads(f.read_text()) for f in args.render]
-        results = {s: r for rep in reports for s, r in rep["results"].items()}
+        results: dict[str, dict] = {}
+        for rep in reports:
+            for shape, by_format in rep["results"].items():
+                results.setdefault(shape, {}).update(by_format)
         write_docs(table(results), _meta(reports, [f.resolve().relative_to(ROOT) for f in args.render]))
         return
     if args.llama_bin is None:
