@@ -96,12 +96,12 @@ class Session:
         kv_names = kv_cache_names(s)
         if self.plan.device == "cpu":  # weights + KV cache on huge pages (arena.py), read straight in
             try:
-                layout, _ = read_layout(path)
+                layout = read_layout(path)  # read the header once: sizes the arena, then the reads
                 self.arena = HostArena(
-                    HostArena.bytes_for((shape, dtype) for dtype, shape, _, _ in layout.values())
+                    HostArena.bytes_for((shape, dtype) for dtype, shape, _, _ in layout[0].values())
                     + HostArena.bytes_for([(kv_shape, kv_dtype)] * len(kv_names))
                 )
-                state = read_into(path, self.arena.empty)
+                state = read_into(path, self.arena.empty, layout)
             except ValueError as e:
                 raise ExportDirError(f"{self.dir}: {e}: re-run nxdc export") from None
             state.update({n: self.arena.zeros(kv_shape, kv_dtype) for n in kv_names})

@@ -56,11 +56,12 @@ def read_layout(path: Path) -> tuple[dict[str, tuple[torch.dtype, tuple[int, ...
 
 
 def read_into(
-    path: Path, alloc: Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
+    path: Path, alloc: Callable[[tuple[int, ...], torch.dtype], torch.Tensor], layout=None
 ) -> dict[str, torch.Tensor]:
     """Every tensor of the file, each read into ``alloc(shape, dtype)`` (a contiguous CPU tensor)
-    in file order. Raises ValueError on a malformed or truncated file."""
-    layout, start = read_layout(path)
+    in file order; ``layout``: what ``read_layout(path)`` returned, if the caller has it already.
+    Raises ValueError on a malformed or truncated file."""
+    layout, start = layout or read_layout(path)
     out = {}
     with open(path, "rb", buffering=0) as f:
         for name, (dtype, shape, a, b) in sorted(layout.items(), key=lambda kv: kv[1][2]):
