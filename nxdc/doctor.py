@@ -16,11 +16,11 @@ from pathlib import Path
 import torch
 
 import nxdc
-from nxdc.cache.remotes import configured_remote
 from nxdc.cache.store import default_root
 from nxdc.compile.backends.neuron import INSTALL, PACKAGES, missing_packages
 from nxdc.compile.backends.xla import INSTALL as XLA_INSTALL
 from nxdc.kernels import LIBRARY, cpu_isa, cpu_supported, disabled, kernel_entry
+from nxdc.sync.remotes import configured_remote
 
 
 @dataclass(frozen=True)

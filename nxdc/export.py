@@ -19,11 +19,10 @@ import torch
 
 import nxdc
 from nxdc.archs import get_arch, spec_from_config
+from nxdc.buckets import Bucket
 from nxdc.cache.keys import digest, sha256_file
-from nxdc.cache.registry import record_export
 from nxdc.cache.store import CompileCache, entry_files
 from nxdc.compile.backends import get_backend
-from nxdc.compile.buckets import Bucket
 from nxdc.compile.graph_keys import key_parts, namespace
 from nxdc.compile.trace import (
     build_decoder,
@@ -47,6 +46,7 @@ from nxdc.model.sharding import expert_intermediate, shard_layout
 from nxdc.plan import ExportOptions, ExportPlan, kv_cache_bytes, make_plan, planned_spec
 from nxdc.progress import NullReporter, Reporter
 from nxdc.spec import ModelSpec
+from nxdc.sync.registry import record_export
 from nxdc.weights.gguf_quant import requantize
 from nxdc.weights.safetensors_io import SafetensorsWriter
 from nxdc.weights.shard import rank_tensor

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from nxdc.archs import spec_from_config
-from nxdc.compile.buckets import Bucket, context_buckets
+from nxdc.buckets import Bucket, context_buckets
 from nxdc.errors import UnsupportedError, UserInputError
 from nxdc.model import weight_format
 from nxdc.model.sharding import check_tp, shard_layout

@@ -24,12 +24,13 @@ from tiny import GQA_EXPORT
 from typer.testing import CliRunner
 
 from nxdc.cache.keys import digest, sha256_file
-from nxdc.cache.registry import write_record
-from nxdc.cache.remotes import open_remote
 from nxdc.cache.store import CompileCache, verify_entry
-from nxdc.cache.transfer import RemoteCache, parse_age, parse_size
 from nxdc.cli.main import app
 from nxdc.errors import CacheError, UserInputError
+from nxdc.sync.maintenance import parse_age, parse_size
+from nxdc.sync.registry import write_record
+from nxdc.sync.remote_cache import RemoteCache
+from nxdc.sync.remotes import open_remote
 
 runner = CliRunner()
 NS = "inductor-cpu-test-isa"
@@ -213,7 +214,7 @@ class FakeHfApi:
 
 @pytest.fixture
 def fake_hub(tmp_path, monkeypatch):
-    import nxdc.cache.remotes.hub as hub
+    import nxdc.sync.remotes.hub as hub
 
     api = FakeHfApi(tmp_path / "hub")
     monkeypatch.setattr(hub, "HfApi", lambda: api)
@@ -482,7 +483,7 @@ def test_bad_remote_urls(url, needle, tmp_path):
 
 
 def test_remote_names_cannot_escape_the_cache():
-    from nxdc.cache.remotes.base import RemoteCorrupt, safe_path
+    from nxdc.sync.remotes.base import RemoteCorrupt, safe_path
 
     for ok in ("compile/inductor-cuda-2.13.0+cu128-(9,0)/" + "a" * 64 + "/model.pt2", "registry/ab/cd.json"):
         assert safe_path(ok) == ok
@@ -880,8 +881,8 @@ def test_export_with_unreachable_remote(tiny_gqa, tmp_path, monkeypatch):
 
 def test_lookup_says_why_a_record_is_not_usable_here():
     from nxdc.cache.keys import model_code_digest
-    from nxdc.cache.registry import current_namespace, unusable_reason
     from nxdc.kernels import kernel_digest
+    from nxdc.sync.registry import current_namespace, unusable_reason
 
     plan = {"backend": "inductor", "device": "cpu"}
     here = current_namespace(plan)

@@ -1,6 +1,7 @@
-"""Imports run one way: cli → bench, serve, accuracy → export → runtime, generation, cache →
-compile, weights, manifest → plan, kernels → model, archs, cache store → spec, errors. An AST walk over nxdc/ fails on any import of a higher layer,
-local (inside a function) or not, so a cycle cannot hide in a function body."""
+"""Imports run one way: cli → bench, serve, accuracy, doctor → export → runtime, generation, sync →
+compile, weights, manifest → plan, kernels → model, archs, buckets, cache (the local store) → spec,
+errors. An AST walk over nxdc/ fails on any import of a higher layer, local (inside a function)
+or not, so a cycle cannot hide in a function body."""
 
 from __future__ import annotations
 
@@ -13,15 +14,14 @@ import nxdc
 
 ROOT = Path(nxdc.__file__).parent
 
-# Each module's layer: the longest matching prefix wins. A module may import its own package
-# (the first two name parts) and any module of a lower layer; nothing else.
+# Each package's layer (a top-level module is a package of one). A module may import its own
+# package and any package of a lower layer; nothing else. No module has a layer of its own.
 LAYERS = {
     "nxdc": 0,
     "nxdc.errors": 0,
     "nxdc.spec": 0,
-    "nxdc.cache.keys": 1,  # hashing and the local store: what every layer that caches needs
-    "nxdc.cache.store": 1,
-    "nxdc.compile.buckets": 1,
+    "nxdc.cache": 1,  # hashing and the local store: what every layer that caches needs
+    "nxdc.buckets": 1,
     "nxdc.progress": 1,
     "nxdc.archs": 1,
     "nxdc.model": 1,
@@ -30,7 +30,7 @@ LAYERS = {
     "nxdc.manifest": 3,
     "nxdc.compile": 3,
     "nxdc.weights": 3,
-    "nxdc.cache": 4,  # registry, transfer, remotes: read manifests and plans, compute keys
+    "nxdc.sync": 4,  # registry, remotes, transfer: read manifests and plans, compute keys
     "nxdc.runtime": 4,
     "nxdc.generation": 4,
     "nxdc.export": 5,  # records what it wrote in the cache registry
@@ -43,11 +43,8 @@ LAYERS = {
 
 
 def layer(module: str) -> int:
-    parts = module.split(".")
-    for n in range(len(parts), 0, -1):
-        if ".".join(parts[:n]) in LAYERS:
-            return LAYERS[".".join(parts[:n])]
-    raise AssertionError(f"{module} has no layer: add it to LAYERS")
+    assert package(module) in LAYERS, f"{module}: its package has no layer; add it to LAYERS"
+    return LAYERS[package(module)]
 
 
 def package(module: str) -> str:

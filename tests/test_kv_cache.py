@@ -58,9 +58,9 @@ def test_kv_cache_option_is_checked_and_keyed(tiny_gqa, tmp_path):
     from typer.testing import CliRunner
 
     from nxdc.archs import spec_from_config
+    from nxdc.buckets import Bucket
     from nxdc.cli.main import app
     from nxdc.compile.backends import get_backend
-    from nxdc.compile.buckets import Bucket
     from nxdc.compile.graph_keys import key_parts
     from nxdc.plan import ExportOptions, make_plan
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from tiny import tiny_tokenizer
 
-from nxdc.compile.buckets import Bucket
+from nxdc.buckets import Bucket
 from nxdc.runtime.runner import Runner
 from nxdc.serve.engine import Engine
 from nxdc.serve.protocol import Done, Failed, Started, Submit, Token

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from nxdc.archs import spec_from_config
+from nxdc.buckets import Bucket, context_buckets, pick_context_bucket
 from nxdc.cache.store import CompileCache, verify_entry
-from nxdc.compile.buckets import Bucket, context_buckets, pick_context_bucket
 from nxdc.errors import UnsupportedError, UserInputError
 from nxdc.generation.sampling import SamplingParams, filter_logits, greedy
 from nxdc.generation.stopping import find_stop
@@ -34,7 +34,7 @@ def test_pick_context_bucket():
 
 
 def test_pick_decode_bucket():
-    from nxdc.compile.buckets import pick_decode_bucket
+    from nxdc.buckets import pick_decode_bucket
 
     bs = [Bucket("decode", n) for n in (256, 512, 1024)]
     assert pick_decode_bucket(bs, 0).length == 256

@@ -27,7 +27,7 @@ from nxdc.bench.machine import (
     reset_peak_rss,
 )
 from nxdc.bench.reference import transformers_generate, transformers_model
-from nxdc.compile.buckets import pick_context_bucket
+from nxdc.buckets import pick_context_bucket
 from nxdc.compile.trace import weight_bytes
 from nxdc.errors import UserInputError
 from nxdc.generation.loop import generate

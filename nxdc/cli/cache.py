@@ -46,7 +46,7 @@ def _cache(cache_dir: Path | None):
 
 
 def _remote(cache, remote: str | None, required: bool = True):
-    from nxdc.cache.transfer import resolve_remote
+    from nxdc.sync.remote_cache import resolve_remote
 
     return resolve_remote(cache, remote, required)
 
@@ -54,7 +54,7 @@ def _remote(cache, remote: str | None, required: bool = True):
 def _keys(keys: list[str] | None) -> set[str] | None:
     if not keys:
         return None
-    from nxdc.cache.transfer import KEY
+    from nxdc.sync.fetch import KEY
 
     bad = [k for k in keys if not KEY.match(k)]
     if bad:
@@ -105,7 +105,7 @@ def set_remote(
     verbose: bool = VERBOSE,
 ) -> None:
     """Save the remote every cache command and `nxdc export` use (in <cache>/config.json)."""
-    from nxdc.cache.remotes import configured_remote, save_remote
+    from nxdc.sync.remotes import configured_remote, save_remote
 
     cache = _cache(cache_dir)
     if url and clear:
@@ -130,7 +130,7 @@ def push(
     verbose: bool = VERBOSE,
 ) -> None:
     """Upload the local entries (and registry records) the remote lacks; corrupt ones are not sent."""
-    from nxdc.cache import transfer
+    from nxdc.sync import transfer
 
     cache = _cache(cache_dir)
     rep = transfer.push(cache, _remote(cache, remote), _keys(keys))
@@ -169,11 +169,11 @@ def pull(
 ) -> None:
     """Download verified entries: those an export of MODEL needs, the --key ones, or (no MODEL, no --key) everything on the remote."""
     flags = dict(locals())  # the arguments; the ExportOptions ones are export options
-    from nxdc.cache import transfer
     from nxdc.compile.backends import get_backend
     from nxdc.compile.graph_keys import graph_entries
     from nxdc.export import prepare
     from nxdc.plan import ExportOptions
+    from nxdc.sync import transfer
 
     cache = _cache(cache_dir)
     rem = _remote(cache, remote)
@@ -202,7 +202,7 @@ def sync(
     verbose: bool = VERBOSE,
 ) -> None:
     """Push what the remote lacks, then pull what the local cache lacks."""
-    from nxdc.cache import transfer
+    from nxdc.sync import transfer
 
     cache = _cache(cache_dir)
     rem = _remote(cache, remote)
@@ -255,8 +255,8 @@ def list_(
     verbose: bool = VERBOSE,
 ) -> None:
     """Entries with their size and age, locally and/or on the remote."""
-    from nxdc.cache import transfer
-    from nxdc.cache.remotes import RemoteUnavailable
+    from nxdc.sync import maintenance
+    from nxdc.sync.remotes import RemoteUnavailable
 
     if where not in (None, "local", "remote", "all"):
         raise UserInputError(f"--where must be local, remote or all (got {where!r})")
@@ -264,12 +264,12 @@ def list_(
     now = time.time()
     result: dict = {}
     if where in (None, "local", "all"):
-        result["local"] = transfer.list_local(cache, now)
+        result["local"] = maintenance.list_local(cache, now)
     if where in (None, "remote", "all"):
         rem = _remote(cache, remote, required=where is not None)
         if rem is not None:
             try:
-                result["remote"] = transfer.list_remote(rem, now)
+                result["remote"] = maintenance.list_remote(rem, now)
                 result["remote_url"] = rem.url
             except RemoteUnavailable as e:
                 if where is not None:
@@ -309,13 +309,13 @@ def lookup(
 ) -> None:
     """Which export configurations of MODEL have every graph cached, locally and on the remote (from the registry exports write; nothing is traced)."""
     from nxdc.archs import spec_from_config
-    from nxdc.cache import transfer
+    from nxdc.sync import lookup
     from nxdc.weights.sources import resolve
 
     cache = _cache(cache_dir)
     rem = _remote(cache, remote, required=False)
     spec = spec_from_config(resolve(model, cache.root).config())
-    res = transfer.lookup(cache, spec.digest(), rem)
+    res = lookup.lookup(cache, spec.digest(), rem)
     res["model"] = model
     if json_out:
         print_json(res)
@@ -382,9 +382,9 @@ def verify(
     verbose: bool = VERBOSE,
 ) -> None:
     """Re-hash every local entry against the sha256 in its meta.json; discard corrupt ones (exit 1 if there were any)."""
-    from nxdc.cache import transfer
+    from nxdc.sync import maintenance
 
-    res = transfer.verify_all(_cache(cache_dir), discard=not keep)
+    res = maintenance.verify_all(_cache(cache_dir), discard=not keep)
     if json_out:
         print_json(res)
     elif not quiet:
@@ -414,14 +414,14 @@ def prune(
     verbose: bool = VERBOSE,
 ) -> None:
     """Remove local entries by age and/or total size (the remote is never pruned)."""
-    from nxdc.cache import transfer
+    from nxdc.sync import maintenance
 
     if older_than is None and max_size is None:
         raise UserInputError("give --older-than AGE and/or --max-size SIZE")
-    res = transfer.prune(
+    res = maintenance.prune(
         _cache(cache_dir),
-        transfer.parse_age(older_than) if older_than else None,
-        transfer.parse_size(max_size) if max_size else None,
+        maintenance.parse_age(older_than) if older_than else None,
+        maintenance.parse_size(max_size) if max_size else None,
         dry_run,
     )
     if json_out:

@@ -69,10 +69,10 @@ def export(
     flags = dict(locals())  # the arguments; export_options keeps the ExportOptions ones
     from rich.markup import escape
 
-    from nxdc.cache.transfer import open_cache
     from nxdc.export import plan_summary, prepare, run_export
     from nxdc.plan import load_preset
     from nxdc.progress import NullReporter, RichReporter
+    from nxdc.sync.remote_cache import open_cache
 
     preset = load_preset(config) if config else {}
     model = model or preset.pop("model", None)

@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from nxdc.buckets import Bucket
 from nxdc.cache.keys import canonical, digest, model_code_digest
-from nxdc.compile.buckets import Bucket
 from nxdc.compile.trace import kernels_apply
 from nxdc.kernels import kernel_digest, kernel_entry
 from nxdc.plan import ExportPlan

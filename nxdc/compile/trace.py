@@ -10,7 +10,7 @@ import dataclasses
 
 import torch
 
-from nxdc.compile.buckets import Bucket
+from nxdc.buckets import Bucket
 from nxdc.kernels import cpu_supported, disabled, ensure_loaded
 from nxdc.model.attention import use_functional_kv
 from nxdc.model.decoder import ContextEncoding, Decoder, FunctionalKV, RowPrefill, TokenGeneration, Verify

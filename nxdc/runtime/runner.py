@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from nxdc.compile.buckets import Bucket, pick_context_bucket, pick_decode_bucket
+from nxdc.buckets import Bucket, pick_context_bucket, pick_decode_bucket
 from nxdc.errors import UserInputError
 from nxdc.runtime.session import Session
 

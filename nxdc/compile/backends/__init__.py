@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 import torch
 
-from nxdc.compile.buckets import Bucket
+from nxdc.buckets import Bucket
 from nxdc.errors import UnsupportedError, UserInputError
 from nxdc.plan import ExportPlan
 

@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
+from nxdc.buckets import Bucket
 from nxdc.cache.keys import source_digest
 from nxdc.compile.backends import Graph, GraphState, check_device
-from nxdc.compile.buckets import Bucket
 from nxdc.compile.trace import fake_process_group, trace
 from nxdc.errors import ExportDirError, UserInputError
 from nxdc.kernels import cpu_isa

@@ -35,9 +35,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from nxdc.buckets import Bucket
 from nxdc.cache.keys import source_digest
 from nxdc.compile.backends import Graph, GraphState
-from nxdc.compile.buckets import Bucket
 from nxdc.compile.trace import graph_for, input_specs
 from nxdc.errors import UnsupportedError, UserInputError
 from nxdc.model.decoder import GRAPH_PREFIX, kv_cache_names, runtime_constants

@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
+from nxdc.buckets import Bucket
 from nxdc.cache.keys import source_digest
 from nxdc.compile.backends import Graph, GraphState
-from nxdc.compile.buckets import Bucket
 from nxdc.compile.trace import trace
 from nxdc.errors import UnsupportedError, UserInputError
 from nxdc.plan import ExportPlan

@@ -12,8 +12,8 @@ import tempfile
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
-from nxdc.cache.remotes.base import Remote, RemoteCorrupt, RemoteEntry, RemoteFile, RemoteUnavailable
 from nxdc.errors import CacheError, UserInputError
+from nxdc.sync.remotes.base import Remote, RemoteCorrupt, RemoteEntry, RemoteFile, RemoteUnavailable
 
 CONFIG = "config.json"
 ENV = "NXDC_CACHE_REMOTE"
@@ -24,7 +24,7 @@ def open_remote(url: str) -> Remote:
     """Parse a remote URL (no network access)."""
     url = url.strip()
     if url.startswith("hf://"):
-        from nxdc.cache.remotes.hub import HubRemote
+        from nxdc.sync.remotes.hub import HubRemote
 
         rest, _, revision = url[len("hf://") :].partition("@")
         parts = [p for p in rest.split("/") if p]
@@ -35,14 +35,14 @@ def open_remote(url: str) -> Remote:
             raise UserInputError(f"remote {url!r}: expected hf://org/name or hf://datasets/org/name")
         return HubRemote(url, "/".join(parts), repo_type, revision or None)
     if url.startswith("file://"):
-        from nxdc.cache.remotes.directory import DirectoryRemote
+        from nxdc.sync.remotes.directory import DirectoryRemote
 
         u = urlparse(url)
         if u.netloc not in ("", "localhost") or not u.path.startswith("/"):
             raise UserInputError(f"remote {url!r}: expected file:///absolute/path (three slashes)")
         return DirectoryRemote(url, Path(unquote(u.path)))
     if url.startswith("s3://"):
-        from nxdc.cache.remotes.s3 import S3Remote
+        from nxdc.sync.remotes.s3 import S3Remote
 
         u = urlparse(url)
         if not u.netloc:

@@ -9,8 +9,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from nxdc.cache.remotes.base import Remote, RemoteFile, RemoteUnavailable, safe_path
 from nxdc.errors import UserInputError
+from nxdc.sync.remotes.base import Remote, RemoteFile, RemoteUnavailable, safe_path
 
 NOT_FOUND = {"404", "NoSuchKey", "NotFound"}
 

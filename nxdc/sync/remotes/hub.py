@@ -14,7 +14,7 @@ from pathlib import Path
 
 from huggingface_hub import CommitOperationAdd, HfApi
 
-from nxdc.cache.remotes.base import Remote, RemoteFile, RemoteUnavailable, safe_path
+from nxdc.sync.remotes.base import Remote, RemoteFile, RemoteUnavailable, safe_path
 
 
 class HubRemote(Remote):

@@ -7,7 +7,7 @@ import shutil
 import uuid
 from pathlib import Path
 
-from nxdc.cache.remotes.base import Remote, RemoteFile, RemoteUnavailable, safe_path
+from nxdc.sync.remotes.base import Remote, RemoteFile, RemoteUnavailable, safe_path
 
 
 class DirectoryRemote(Remote):
