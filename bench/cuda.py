@@ -62,7 +62,7 @@ def source() -> str:
 
 
 def export(job: tuple[str, str, str, str | None, int, str]) -> str:
-    from nxdc.export import run_export
+    from nxdc.pipeline import run_export
     from nxdc.plan import ExportOptions
 
     src, name, dtype, weights, batch, device = job

@@ -240,7 +240,7 @@ def main() -> None:
             sys.exit(f"error: no {tool} in {args.llama_bin}: build it as this script's docstring says")
     from llamacpp import FORMATS, gguf_for
 
-    from nxdc.export import run_export
+    from nxdc.pipeline import run_export
     from nxdc.plan import ExportOptions, load_preset
     from nxdc.serve.text import TextTokenizer
     from nxdc.weights.sources import embedded_path

@@ -35,9 +35,9 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from nxdc.export import run_export
     from nxdc.generation.loop import generate
     from nxdc.generation.speculative import DraftModel, PromptLookup, Speculator
+    from nxdc.pipeline import run_export
     from nxdc.plan import ExportOptions
     from nxdc.runtime.runner import Runner
 

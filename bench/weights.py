@@ -47,7 +47,7 @@ def export_dir(w: str, kv: str, batch: int) -> Path:
 def export(w: str, kv: str, batch: int) -> Path:
     """SmolLM2 with weights ``w`` and KV cache ``kv`` at one batch size in export_dir (compiled
     on the first call, a cache hit after)."""
-    from nxdc.export import run_export
+    from nxdc.pipeline import run_export
     from nxdc.plan import ExportOptions
 
     d = export_dir(w, kv, batch)

@@ -18,11 +18,10 @@ from pathlib import Path
 import torch
 
 from nxdc.compile.trace import wants_kernels
-from nxdc.export import gguf_weight_map, prepare, write_weights
 from nxdc.model import weight_format
 from nxdc.model.decoder import Decoder, kv_cache_names, tie_lm_head
 from nxdc.model.dtypes import TORCH_DTYPES
-from nxdc.model.layers import use_kernels
+from nxdc.pipeline import gguf_weight_map, prepare, write_weights
 from nxdc.plan import stored_kv_cache
 
 EVAL_TEXT = (
@@ -125,6 +124,7 @@ def _logits(spec, plan, path: Path, ids: torch.Tensor) -> torch.Tensor:
         weights=plan.weights,
         weight_map=plan.weight_map,
         kv_dtype=TORCH_DTYPES[plan.kv_format],
+        kernels=bool(wants_kernels(plan)),
     ).eval()
     state = load_file(str(path))
     if spec.tie_word_embeddings:
@@ -134,7 +134,6 @@ def _logits(spec, plan, path: Path, ids: torch.Tensor) -> torch.Tensor:
     bad = [k for k in result.missing_keys if k not in kv] + list(result.unexpected_keys)
     if bad:
         raise AssertionError(f"accuracy check: weights do not fit the model: {bad[:3]}")
-    use_kernels(model, wants_kernels(plan))
     t = ids.shape[1]
     pos = torch.arange(t)
     mask = (pos.view(1, t) <= pos.view(t, 1)).view(1, 1, t, t)

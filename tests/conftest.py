@@ -46,7 +46,7 @@ def tiny_gqa(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_gqa_export(tiny_gqa, cache_dir, tmp_path_factory) -> Path:
-    from nxdc.export import run_export
+    from nxdc.pipeline import run_export
     from nxdc.plan import ExportOptions
 
     out = tmp_path_factory.mktemp("exports") / "tiny-gqa"
@@ -58,7 +58,7 @@ def tiny_gqa_export(tiny_gqa, cache_dir, tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_serve_export(tiny_gqa, cache_dir, tmp_path_factory) -> Path:
     """The tiny GQA model with the graphs `nxdc serve` needs (tiny.SERVE_EXPORT)."""
-    from nxdc.export import run_export
+    from nxdc.pipeline import run_export
     from nxdc.plan import ExportOptions
 
     out = tmp_path_factory.mktemp("exports") / "tiny-serve"
@@ -69,7 +69,7 @@ def tiny_serve_export(tiny_gqa, cache_dir, tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_mha_bf16_export(cache_dir, tmp_path_factory) -> tuple[Path, Path]:
     """MHA (4/4 heads), tied embeddings, exported in bf16."""
-    from nxdc.export import run_export
+    from nxdc.pipeline import run_export
     from nxdc.plan import ExportOptions
 
     src = make_tiny_llama(
@@ -84,7 +84,7 @@ def tiny_mha_bf16_export(cache_dir, tmp_path_factory) -> tuple[Path, Path]:
 
 @pytest.fixture(scope="session")
 def smollm2_export(cache_dir, tmp_path_factory) -> Path:
-    from nxdc.export import run_export
+    from nxdc.pipeline import run_export
     from nxdc.plan import ExportOptions
 
     out = tmp_path_factory.mktemp("exports") / "smollm2"
@@ -100,7 +100,7 @@ SMOLLM2_SERVE_EXPORT = dict(
 @pytest.fixture(scope="session")
 def smollm2_serve_export(cache_dir, tmp_path_factory) -> Path:
     """SmolLM2 with serving graphs: 8 rows of 1,024 positions."""
-    from nxdc.export import run_export
+    from nxdc.pipeline import run_export
     from nxdc.plan import ExportOptions
 
     out = tmp_path_factory.mktemp("exports") / "smollm2-serve"

@@ -35,12 +35,13 @@ from typer.testing import CliRunner
 
 from nxdc.archs import get_arch, spec_from_config, supported
 from nxdc.cli.main import app
+from nxdc.compile.planning import make_plan
 from nxdc.errors import UnsupportedError, UserInputError
-from nxdc.export import run_export, write_weights
 from nxdc.model.decoder import ContextEncoding, Decoder, TokenGeneration
 from nxdc.model.moe import MoE
 from nxdc.model.sharding import shard_layout
-from nxdc.plan import ExportOptions, make_plan
+from nxdc.pipeline import run_export, write_weights
+from nxdc.plan import ExportOptions
 from nxdc.weights.shard import tied_lm_head
 from nxdc.weights.sources import resolve
 

@@ -95,7 +95,8 @@ def test_compare_rebuilds_quantized_exports(tmp_path, fmt):
     from test_weights import _prefill_logits, _tiny_models
 
     from nxdc.bench.reference import transformers_model
-    from nxdc.plan import ExportOptions, make_plan
+    from nxdc.compile.planning import make_plan
+    from nxdc.plan import ExportOptions
 
     hf, _ = build("gqa", torch.float32, batch=1, max_seq=32)
     _, low = _tiny_models(fmt, kernels=False)

@@ -15,7 +15,7 @@ from parity import max_error, nxdc_logits, reference_logits
 from test_export_tiny import hf_model
 from test_weights import TINY_TOL as TOL  # against fp32 weights
 
-from nxdc.export import run_export
+from nxdc.pipeline import run_export
 from nxdc.plan import ExportOptions
 from nxdc.runtime.runner import Runner
 

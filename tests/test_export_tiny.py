@@ -13,7 +13,7 @@ from parity import hf_greedy, max_error, nxdc_logits, reference_logits
 from tiny import GQA_EXPORT
 
 from nxdc.cache.store import CompileCache
-from nxdc.export import run_export
+from nxdc.pipeline import run_export
 from nxdc.plan import ExportOptions
 from nxdc.runtime.runner import Runner
 
@@ -119,7 +119,7 @@ def test_reexport_replaces_only_when_complete(tiny_gqa, tiny_gqa_export, tmp_pat
     """A failing re-export into an existing export dir keeps the old, complete export."""
     out = tmp_path / "keep"
     shutil.copytree(tiny_gqa_export, out)
-    import nxdc.export as ex
+    import nxdc.pipeline as ex
 
     def boom(*a, **k):
         raise RuntimeError("disk full")

@@ -165,7 +165,7 @@ def test_smollm2_gguf_kept_as_stored_gives_the_dequantized_logits():
     file dequantized) within fp32 rounding of the kernels' sums."""
     from nxdc.accuracy import measure_formats
     from nxdc.compile.trace import kernels_apply
-    from nxdc.export import prepare
+    from nxdc.pipeline import prepare
     from nxdc.plan import ExportOptions
 
     _, _, _, plan = prepare("smollm2-135m", ExportOptions(sequence_length=256, weights="auto"))

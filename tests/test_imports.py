@@ -1,4 +1,4 @@
-"""Imports run one way: cli → bench, serve, accuracy, doctor → export → runtime, generation, sync →
+"""Imports run one way: cli → bench, serve, accuracy, doctor, api → pipeline → runtime, generation, sync →
 compile, weights, manifest → plan, kernels → model, archs, buckets, cache (the local store) → spec,
 errors. An AST walk over nxdc/ fails on any import of a higher layer, local (inside a function)
 or not, so a cycle cannot hide in a function body."""
@@ -33,8 +33,9 @@ LAYERS = {
     "nxdc.sync": 4,  # registry, remotes, transfer: read manifests and plans, compute keys
     "nxdc.runtime": 4,
     "nxdc.generation": 4,
-    "nxdc.export": 5,  # records what it wrote in the cache registry
+    "nxdc.pipeline": 5,  # the export pipeline; records what it wrote in the cache registry
     "nxdc.accuracy": 6,
+    "nxdc.api": 6,  # the public Python API (nxdc.export, ...), which the CLI is a layer over
     "nxdc.doctor": 6,
     "nxdc.bench": 6,
     "nxdc.serve": 6,

@@ -294,7 +294,7 @@ def test_kernels_come_from_the_compile_cache(tmp_path):
     broken.write_text("#!/bin/sh\nexit 1\n")
     broken.chmod(0o755)
     env = {**os.environ, "NXDC_CACHE_DIR": str(tmp_path / "cache"), "CXX": str(broken), "CC": str(broken)}
-    script = "from nxdc.kernels import ensure_loaded, status; print(ensure_loaded(), status['reason'])"
+    script = "from nxdc.kernels import ensure_loaded; r = ensure_loaded(); print(r.ok, r.reason)"
     res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     assert res.stdout.split() == ["True", "hit"], res.stderr[-2000:]
     lib = CompileCache(tmp_path / "cache").entry_dir(ns, key) / LIBRARY
@@ -428,21 +428,21 @@ def test_quantize_int8_rejects_bad_groups():
 
 
 def test_linear_module_uses_the_kernel_for_fp32_at_any_row_count():
-    from nxdc.model.layers import Linear, use_kernels
+    from nxdc.model.layers import Linear
 
     torch.manual_seed(7)
-    lin = Linear(64, 32, True, torch.float32)
+    lin = Linear(64, 32, True, torch.float32, kernels=True)
     torch.nn.init.normal_(lin.weight)
     torch.nn.init.normal_(lin.bias)
-    use_kernels(lin)
     for shape in [(1, 1, 64), (4, 1, 64), (2, 16, 64)]:
         x = torch.randn(*shape)
         torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
     for rows in (1, 16):
         gm = torch.export.export(lin, (torch.randn(2, rows, 64),), strict=False).graph_module
         assert "nxdc.linear_f32" in gm.code
-    use_kernels(lin, False)
-    gm = torch.export.export(lin, (torch.randn(2, 1, 64),), strict=False).graph_module
+    plain = Linear(64, 32, True, torch.float32)  # kernels off (the default)
+    plain.load_state_dict(lin.state_dict())
+    gm = torch.export.export(plain, (torch.randn(2, 1, 64),), strict=False).graph_module
     assert "nxdc.linear_f32" not in gm.code
 
 
@@ -453,14 +453,14 @@ def test_mlp_routes_gate_up_through_swiglu(bias, stored):
     """With the kernels, an MLP without biases runs gate/up and SiLU as one ``nxdc::swiglu`` call (any
     stored format) and matches PyTorch's SiLU on the linear's halves; with biases, or without the
     kernels, it keeps the linear op and PyTorch's SiLU."""
-    from nxdc.model.layers import MLP, use_kernels
+    from nxdc.model.layers import MLP
     from nxdc.spec import ModelSpec, RopeSpec
 
     spec = ModelSpec(
         "llama", 10, 64, 48, 1, 4, 2, 16, 1e-5, RopeSpec(theta=10000.0), 32, False, mlp_bias=bias
     )
     torch.manual_seed(9)
-    mlp = MLP(spec, torch.float32)
+    mlp = MLP(spec, torch.float32, kernels=True)
     for p in mlp.parameters():
         torch.nn.init.normal_(p, std=0.2)
     ref_in = torch.randn(2, 3, 64)
@@ -483,13 +483,15 @@ def test_mlp_routes_gate_up_through_swiglu(bias, stored):
         w = gu.weight.detach()
     full = F.linear(ref_in, w, gu.bias)
     want = mlp.down_proj(F.silu(full[..., :48]) * full[..., 48:])
-    use_kernels(mlp)
     torch.testing.assert_close(mlp(ref_in), want, rtol=1e-5, atol=1e-5)
     code = torch.export.export(mlp, (ref_in,), strict=False).graph_module.code
     assert ("nxdc.swiglu" in code) == (not bias)
-    use_kernels(mlp, False)
-    torch.testing.assert_close(mlp(ref_in), want, rtol=1e-5, atol=1e-5)
-    assert "nxdc.swiglu" not in torch.export.export(mlp, (ref_in,), strict=False).graph_module.code
+    plain = MLP(spec, torch.float32)  # kernels off (the default), the same weights
+    if stored:
+        plain.gate_up_proj.store_as(stored)
+    plain.load_state_dict(mlp.state_dict())
+    torch.testing.assert_close(plain(ref_in), want, rtol=1e-5, atol=1e-5)
+    assert "nxdc.swiglu" not in torch.export.export(plain, (ref_in,), strict=False).graph_module.code
 
 
 def test_fakes_only_for_ops_the_library_defines(monkeypatch):

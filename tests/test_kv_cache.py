@@ -15,7 +15,6 @@ from test_parity_eager import build
 
 from nxdc.kernels import ensure_loaded
 from nxdc.model.decoder import ContextEncoding, Decoder, TokenGeneration
-from nxdc.model.layers import use_kernels
 
 # Logits of magnitude ~1 through two layers: fp16 keeps 11 bits of each key / value, bf16 8.
 KV_TOL = {"fp16": 2e-3, "bf16": 2e-2}
@@ -28,11 +27,10 @@ def test_16_bit_kv_cache_stays_close_to_transformers(kv, kernels):
     if kernels and not ensure_loaded():
         pytest.skip("nxdc CPU kernels unavailable on this machine")
     hf, ref = build("gqa", torch.float32, batch=2, max_seq=32)
-    ours = Decoder(ref.spec, 2, 32, torch.float32, kv_dtype=KV_DTYPES[kv]).eval()
+    ours = Decoder(ref.spec, 2, 32, torch.float32, kv_dtype=KV_DTYPES[kv], kernels=kernels).eval()
     ours.load_state_dict(
         {k: v for k, v in ref.state_dict().items() if not k.endswith("_cache")}, strict=False
     )
-    use_kernels(ours, kernels)
     assert ours.layers[0].self_attn.k_cache.dtype == KV_DTYPES[kv]
     torch.manual_seed(1)
     ids = torch.randint(3, 256, (2, 20))
@@ -60,9 +58,10 @@ def test_kv_cache_option_is_checked_and_keyed(tiny_gqa, tmp_path):
     from nxdc.archs import spec_from_config
     from nxdc.buckets import Bucket
     from nxdc.cli.main import app
-    from nxdc.compile.backends import get_backend
+    from nxdc.compile.backends.registry import get_backend
     from nxdc.compile.graph_keys import key_parts
-    from nxdc.plan import ExportOptions, make_plan
+    from nxdc.compile.planning import make_plan
+    from nxdc.plan import ExportOptions
 
     r = CliRunner()
     bad = r.invoke(
@@ -92,7 +91,7 @@ def test_kv_cache_option_is_checked_and_keyed(tiny_gqa, tmp_path):
 def test_16_bit_kv_cache_compiled_tp2_with_speculation(
     tiny_gqa, tiny_gqa_export, tmp_path_factory, cache_dir
 ):
-    from nxdc.export import run_export
+    from nxdc.pipeline import run_export
     from nxdc.plan import ExportOptions
     from nxdc.runtime.session import Session
 

@@ -13,7 +13,6 @@ from test_cli import assert_error
 from test_parity_eager import build
 from tiny import GQA_EXPORT
 
-from nxdc.model.attention import use_functional_kv
 from nxdc.model.decoder import ContextEncoding, FunctionalKV, TokenGeneration, kv_cache_names
 from nxdc.runtime.runner import Runner
 
@@ -21,7 +20,6 @@ from nxdc.runtime.runner import Runner
 def eager_logits(model, functional: bool, ids, lens):
     """Teacher-forced logits; a functional graph's caches are written back by the caller, as a
     runtime does."""
-    use_functional_kv(model, functional)
     for name in kv_cache_names(model.spec):
         model.get_buffer(name).zero_()
     ce, tg = ContextEncoding(model), TokenGeneration(model, 32)
@@ -49,11 +47,12 @@ def eager_logits(model, functional: bool, ids, lens):
 
 
 def test_functional_kv_is_bit_identical_eagerly():
-    _, model = build("gqa", torch.float32, batch=2, max_seq=32)
+    _, in_place_model = build("gqa", torch.float32, batch=2, max_seq=32)
+    _, model = build("gqa", torch.float32, batch=2, max_seq=32, kv_update="functional")  # same weights
     torch.manual_seed(5)
     ids = torch.randint(3, 256, (2, 24))
     lens = [9, 4]
-    in_place = eager_logits(model, False, ids, lens)
+    in_place = eager_logits(in_place_model, False, ids, lens)
     before = {n: model.get_buffer(n) for n in kv_cache_names(model.spec)}
     functional = eager_logits(model, True, ids, lens)
     # FunctionalKV leaves the decoder's buffers in place: the same tensors after every call
@@ -64,7 +63,7 @@ def test_functional_kv_is_bit_identical_eagerly():
 
 @pytest.mark.slow
 def test_functional_kv_compiled_is_bit_identical(tiny_gqa, tiny_gqa_export, tmp_path):
-    from nxdc.export import run_export
+    from nxdc.pipeline import run_export
     from nxdc.plan import ExportOptions
 
     out = tmp_path / "functional"

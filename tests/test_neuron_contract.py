@@ -23,7 +23,7 @@ import pytest
 import torch
 from tiny import GQA_EXPORT
 
-from nxdc.export import run_export
+from nxdc.pipeline import run_export
 from nxdc.plan import ExportOptions
 
 STANDIN = Path(__file__).parent / "neuron_standin"
@@ -184,14 +184,15 @@ def test_standin_enforces_nxd_rules(standin, tmp_path):
 # --- 1. the target is a compile flag, never a torch device ----------------------------------------
 def test_target_is_not_a_torch_device(standin, tiny_gqa):
     from nxdc.archs import spec_from_config
+    from nxdc.compile.backends.registry import host_device
+    from nxdc.compile.planning import make_plan
     from nxdc.compile.trace import build_decoder
-    from nxdc.plan import make_plan
 
     spec = spec_from_config(json.loads((tiny_gqa / "config.json").read_text()))
     for device in ("trn1", "trn2", "inf2"):
         plan = make_plan(spec, ExportOptions(backend="neuron", device=device))
-        assert plan.host_device == "cpu"
-        assert {p.device.type for p in build_decoder(spec, plan).parameters()} == {"cpu"}
+        assert host_device(plan) == "cpu"
+        assert {p.device.type for p in build_decoder(spec, plan, host_device(plan)).parameters()} == {"cpu"}
 
 
 def test_tracing_and_weights_stay_on_the_cpu(neuron_run):

@@ -39,7 +39,7 @@ CASES = {
 TOL = {torch.float32: 2e-5, torch.bfloat16: 6e-2}
 
 
-def build(case: str, dtype, batch: int, max_seq: int):
+def build(case: str, dtype, batch: int, max_seq: int, **modes):
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -51,7 +51,7 @@ def build(case: str, dtype, batch: int, max_seq: int):
                 p.normal_(0, 0.08)
     hf = hf.to(dtype)
     spec = spec_from_config(cfg.to_dict())
-    ours = Decoder(spec, batch, max_seq, dtype).eval()
+    ours = Decoder(spec, batch, max_seq, dtype, **modes).eval()  # modes: kernels, kv_update
     arch = get_arch("llama")
     sd = fuse_state_dict(
         {arch.weight_name(k): v for k, v in hf.state_dict().items() if arch.weight_name(k)}, ours

@@ -323,7 +323,7 @@ def test_one_bad_request_fails_alone_beside_running_ones(tok):
     for m in bad:
         engine.submit(m)
     engine.submit(Submit("detok", tuple(prompt(40, 5)), max_tokens=10, ignore_eos=True))
-    engine.seqs["detok"].detok.add = lambda token: 1 / 0  # an error in this request's text alone
+    engine.seqs["detok"].text.detok.add = lambda *a, **k: 1 / 0  # an error in this request's text alone
     _finish_all(engine, evs)
     for m in bad:
         f = [e for e in evs[m.id] if isinstance(e, Failed)]

@@ -282,7 +282,7 @@ def test_serve_refuses_an_export_without_serving_graphs(tiny_gqa_export):
 
 
 def test_tp2_serves_the_tokens_of_tp1(server, tiny_gqa, tmp_path_factory, cache_dir):
-    from nxdc.export import run_export
+    from nxdc.pipeline import run_export
     from nxdc.plan import ExportOptions
 
     out = tmp_path_factory.mktemp("exports") / "tiny-serve-tp2"

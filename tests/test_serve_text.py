@@ -11,7 +11,8 @@ import pytest
 from tiny import tiny_tokenizer
 
 from nxdc.generation.loop import encode_prompts
-from nxdc.serve.text import Detokenizer, StopStrings, TextTokenizer
+from nxdc.generation.text import Detokenizer, StopStrings
+from nxdc.serve.text import TextTokenizer
 
 CONVERSATION = [
     {"role": "system", "content": "You answer in one line."},

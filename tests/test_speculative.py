@@ -24,7 +24,7 @@ TINY_PROMPTS = ["w1 w2 w3 w4 w5 w1 w2 w3", "w9 w8 w7 w9 w8"]
 
 
 def _export(src, out, **opts):
-    from nxdc.export import run_export
+    from nxdc.pipeline import run_export
     from nxdc.plan import ExportOptions
 
     run_export(str(src), out, ExportOptions(**opts))

@@ -18,9 +18,9 @@ from tiny import tiny_llama_config
 
 from nxdc.archs import spec_from_config
 from nxdc.errors import UserInputError
-from nxdc.export import run_export
 from nxdc.generation.loop import encode_prompts, generate
 from nxdc.model.sharding import check_tp, shard_layout
+from nxdc.pipeline import run_export
 from nxdc.plan import ExportOptions
 from nxdc.runtime.runner import Runner
 from nxdc.runtime.workers import open_runner

@@ -12,7 +12,7 @@ from nxdc.buckets import Bucket, context_buckets, pick_context_bucket
 from nxdc.cache.store import CompileCache, verify_entry
 from nxdc.errors import UnsupportedError, UserInputError
 from nxdc.generation.sampling import SamplingParams, filter_logits, greedy
-from nxdc.generation.stopping import find_stop
+from nxdc.generation.text import find_stop
 from nxdc.spec import rope_from_config
 
 

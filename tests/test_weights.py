@@ -12,10 +12,10 @@ import torch
 from typer.testing import CliRunner
 
 from nxdc.cli.main import app
-from nxdc.export import stored_tensors
 from nxdc.kernels import ensure_loaded
 from nxdc.model import weight_format
-from nxdc.model.layers import Linear, use_kernels
+from nxdc.model.layers import Linear
+from nxdc.pipeline import stored_tensors
 
 FORMATS = ["fp16", "bf16", "int8"]
 TINY_FORMATS = [*FORMATS, "int8-row", "int4", "int4-sym", "int4-g64"]
@@ -36,11 +36,11 @@ STORED_DTYPE = {"fp16": torch.float16, "bf16": torch.bfloat16, "int8": torch.int
 def _tiny_models(fmt: str, kernels: bool):
     from test_parity_eager import build
 
-    _, ref = build("gqa", torch.float32, batch=1, max_seq=32)
+    _, ref = build("gqa", torch.float32, batch=1, max_seq=32, kernels=kernels)
     from nxdc.model.decoder import Decoder
 
     canonical = weight_format.from_user(fmt).name
-    low = Decoder(ref.spec, 1, 32, torch.float32, weights=canonical).eval()
+    low = Decoder(ref.spec, 1, 32, torch.float32, weights=canonical, kernels=kernels).eval()
     state = {}
     meta = low.state_dict()
     for name, t in ref.state_dict().items():
@@ -48,8 +48,6 @@ def _tiny_models(fmt: str, kernels: bool):
             continue
         state.update(stored_tensors(name, t, meta[name].dtype, weight_format.module_format(canonical, name)))
     low.load_state_dict(state, strict=False)
-    use_kernels(low, kernels)
-    use_kernels(ref, kernels)
     return ref, low
 
 
@@ -102,7 +100,7 @@ def test_half_dtype_takes_the_kernels_tiny(dtype):
 
     hf, ours = build("gqa", dtype, batch=1, max_seq=32)
     pytorch = _prefill_logits(ours)
-    use_kernels(ours)
+    _, ours = build("gqa", dtype, batch=1, max_seq=32, kernels=True)  # the same weights
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         kernels = _prefill_logits(ours)
     called = {e.key for e in prof.key_averages()}
@@ -142,7 +140,7 @@ def test_smollm2_accuracy_budget():
 
 @pytest.fixture(scope="session")
 def smollm2_int8_export(cache_dir, tmp_path_factory):
-    from nxdc.export import run_export
+    from nxdc.pipeline import run_export
     from nxdc.plan import ExportOptions
 
     out = tmp_path_factory.mktemp("exports") / "smollm2-int8"
@@ -178,14 +176,15 @@ def test_smollm2_int8_export_matches_eager_int8(smollm2_int8_export, smollm2_exp
     tok = AutoTokenizer.from_pretrained(d)
     ids = torch.tensor([encode_prompts(tok, [PROMPTS[0]], chat=True)[0] + [504, 3458, 282, 4649, 314]])
     n = ids.shape[1] - 5
-    eager = Decoder(sess.spec, 1, 128, torch.float32, weights="int8-g32").eval()
+    eager = Decoder(
+        sess.spec, 1, 128, torch.float32, weights="int8-g32", kernels=bool(ensure_loaded())
+    ).eval()
     state = load_file(str(d / "weights" / "rank0.safetensors"))
     state["lm_head.weight"], state["lm_head.scale"] = (
         state["embed_tokens.weight"],
         state["embed_tokens.scale"],
     )
     eager.load_state_dict(state, strict=False)
-    use_kernels(eager, ensure_loaded())
     assert (
         max_error(_prefill_logits_of(eager, ids), nxdc_logits(sess.prefill, sess.decode, ids, [n]), [n])
         < 2e-3
@@ -275,7 +274,7 @@ def test_quantized_weights_under_tp2_and_speculation(
     prompt-lookup speculation on the same export reproduces its plain greedy output."""
     from parity import tiny_export_check
 
-    from nxdc.export import run_export
+    from nxdc.pipeline import run_export
     from nxdc.plan import ExportOptions
 
     out = tmp_path_factory.mktemp("exports") / f"tiny-{fmt}-tp2"

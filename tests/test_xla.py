@@ -17,8 +17,8 @@ from parity import hf_greedy, max_error, nxdc_logits, reference_logits  # noqa: 
 from test_smollm2 import PROMPTS  # noqa: E402
 from tiny import GQA_EXPORT, make_tiny_llama  # noqa: E402
 
-from nxdc.export import run_export  # noqa: E402
 from nxdc.generation.loop import encode_prompts, generate  # noqa: E402
+from nxdc.pipeline import run_export  # noqa: E402
 from nxdc.plan import ExportOptions  # noqa: E402
 from nxdc.runtime.runner import Runner  # noqa: E402
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from nxdc.cli.common import cli_errors, err_console, print_json
+from nxdc.cli.common import QUIET, VERBOSE, cli_errors, err_console, print_json
 from nxdc.errors import UserInputError
 
 
@@ -33,8 +33,8 @@ def bench(
         None, "--json", help="Write the full results (JSON) to this file ('-' = stdout)."
     ),
     plot_file: Path = typer.Option(None, "--plot", help="Write a PNG plot."),
-    quiet: bool = typer.Option(False, "-q", "--quiet"),
-    verbose: bool = typer.Option(False, "-v", "--verbose"),
+    quiet: bool = QUIET,
+    verbose: bool = VERBOSE,
 ) -> None:
     """Measure TTFT, inter-token latency, decode/prefill throughput, memory and the share of the
     memory-bandwidth roofline of one or more exports."""

@@ -11,8 +11,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from nxdc.cli import export_options as O
-from nxdc.cli.common import cli_errors, err_console, print_json
+from nxdc.cli.common import CACHE_DIR, JSON, QUIET, VERBOSE, cli_errors, err_console, print_json
+from nxdc.cli.export_options import export_flags
 from nxdc.errors import UserInputError
 
 app = typer.Typer(
@@ -24,14 +24,10 @@ app = typer.Typer(
 )
 out_console = Console(highlight=False, soft_wrap=True)
 
-CACHE_DIR = typer.Option(None, "--cache-dir", envvar="NXDC_CACHE_DIR", help="Compile cache directory.")
 REMOTE = typer.Option(
     None, "--remote", help="Remote URL; default NXDC_CACHE_REMOTE, then `nxdc cache set-remote`."
 )
 KEYS = typer.Option(None, "--key", help="Only this cache key (repeatable).")
-JSON = typer.Option(False, "--json", help="Print the result as JSON on stdout.")
-QUIET = typer.Option(False, "-q", "--quiet", help="Print nothing but errors.")
-VERBOSE = typer.Option(False, "-v", "--verbose", help="Tracebacks on errors.")
 
 
 def say(msg: str) -> None:
@@ -139,52 +135,34 @@ def push(
 
 @app.command("pull")
 @cli_errors
+@export_flags
 def pull(
     model: str = typer.Argument(None, help="Pull what `nxdc export MODEL` with these options needs."),
     keys: list[str] = KEYS,
     config: Path = typer.Option(None, "--config", help="TOML preset, as for export."),
-    tp: int = O.TP,
-    batch_size: int = O.BATCH_SIZE,
-    sequence_length: int = O.SEQUENCE_LENGTH,
-    max_context_length: int = O.MAX_CONTEXT_LENGTH,
-    min_context_bucket: int = O.MIN_CONTEXT_BUCKET,
-    context_buckets: str = O.CONTEXT_BUCKETS,
-    min_decode_bucket: int = O.MIN_DECODE_BUCKET,
-    decode_buckets: str = O.DECODE_BUCKETS,
-    dtype: str = O.DTYPE,
-    weights: str = O.WEIGHTS,
-    kv_cache: str = O.KV_CACHE,
-    speculation_length: int = O.SPECULATION_LENGTH,
-    num_layers: int = O.NUM_LAYERS,
-    chunk_buckets: str = O.CHUNK_BUCKETS,
-    decode_batch_sizes: str = O.DECODE_BATCH_SIZES,
-    backend: str = O.BACKEND,
-    kv_update: str = O.KV_UPDATE,
-    device: str = O.DEVICE,
     remote: str = REMOTE,
     cache_dir: Path = CACHE_DIR,
     json_out: bool = JSON,
     quiet: bool = QUIET,
     verbose: bool = VERBOSE,
+    **options,  # the export options (nxdc/cli/export_options.py); None: not given
 ) -> None:
     """Download verified entries: those an export of MODEL needs, the --key ones, or (no MODEL, no --key) everything on the remote."""
-    flags = dict(locals())  # the arguments; the ExportOptions ones are export options
-    from nxdc.compile.backends import get_backend
+    from nxdc.api.export import export_options
+    from nxdc.compile.backends.registry import get_backend
     from nxdc.compile.graph_keys import graph_entries
-    from nxdc.export import prepare
-    from nxdc.plan import ExportOptions
+    from nxdc.pipeline import prepare
     from nxdc.sync import transfer
 
     cache = _cache(cache_dir)
     rem = _remote(cache, remote)
     want_keys = _keys(keys)
-    given = {k: v for k, v in flags.items() if v is not None and k in ExportOptions.fields()}
-    if (given or config) and not model:
+    if (config or any(v is not None for v in options.values())) and not model:
         raise UserInputError("export options need a MODEL: nxdc cache pull MODEL [options]")
     if model and want_keys:
         raise UserInputError("give a MODEL or --key, not both")
     if model:
-        _, _, spec, plan = prepare(model, O.from_preset(config, given), cache.root)
+        _, _, spec, plan = prepare(model, export_options(config, **options)[1], cache.root)
         wanted = graph_entries(spec, plan, get_backend(plan.backend, plan.device))
         rep = transfer.pull(cache, rem, wanted=wanted, model_digest=spec.digest())
     else:

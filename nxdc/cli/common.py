@@ -1,9 +1,12 @@
-"""Shared CLI plumbing: one-line errors with exit codes, JSON output, consoles."""
+"""Shared CLI plumbing: the flags every command takes, one-line errors with exit codes, JSON
+output, consoles."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
+import logging
 import sys
 import traceback
 
@@ -14,6 +17,12 @@ from rich.markup import escape
 from nxdc.errors import NxdcError
 
 err_console = Console(stderr=True, highlight=False)
+
+# The common flags, declared once; a command takes them as ``json_out: bool = JSON`` etc.
+JSON = typer.Option(False, "--json", help="Print the result as JSON on stdout.")
+QUIET = typer.Option(False, "-q", "--quiet", help="No progress or summary lines; errors still print.")
+VERBOSE = typer.Option(False, "-v", "--verbose", help="Tracebacks on errors.")
+CACHE_DIR = typer.Option(None, "--cache-dir", envvar="NXDC_CACHE_DIR", help="Compile cache directory.")
 
 
 def cli_errors(fn):
@@ -56,3 +65,21 @@ def _env_verbose() -> bool:
 def print_json(obj) -> None:
     sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
     sys.stdout.flush()
+
+
+@contextlib.contextmanager
+def log_warnings():
+    """What the library logs at WARNING and above (logger ``nxdc``: an unreachable cache remote,
+    ...) as one ``warning:`` line each on stderr, in every output mode."""
+    handler = _WarningLine(logging.WARNING)
+    logger = logging.getLogger("nxdc")
+    logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+
+
+class _WarningLine(logging.Handler):
+    def emit(self, record: logging.LogRecord) -> None:
+        err_console.print(f"[yellow]warning:[/] {escape(record.getMessage())}", soft_wrap=True)

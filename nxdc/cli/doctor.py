@@ -4,22 +4,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import typer
 from rich.console import Console
 from rich.markup import escape
 
-from nxdc.cli.common import cli_errors, print_json
+from nxdc.cli.common import CACHE_DIR, JSON, VERBOSE, cli_errors, print_json
 
 out_console = Console(highlight=False, soft_wrap=True)
 
 
 @cli_errors
 def doctor(
-    cache_dir: Path = typer.Option(
-        None, "--cache-dir", envvar="NXDC_CACHE_DIR", help="Compile cache directory."
-    ),
-    json_out: bool = typer.Option(False, "--json", help="Print the checks as JSON on stdout."),
-    verbose: bool = typer.Option(False, "-v", "--verbose", help="Tracebacks on errors."),
+    cache_dir: Path = CACHE_DIR,
+    json_out: bool = JSON,
+    verbose: bool = VERBOSE,
 ) -> None:
     """Report what this host can use: torch, CPU ISA, the CPU kernels' build state, each backend
     and device, the serve extra and the compile cache, one line each (builds and contacts nothing)."""

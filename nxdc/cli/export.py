@@ -1,49 +1,34 @@
-"""`nxdc export MODEL -o OUT`."""
+"""`nxdc export MODEL -o OUT`: parses the flags, calls ``nxdc.export`` (or, for a plan only,
+``plan_export``) and prints the result."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import typer
+from rich.markup import escape
 
-from nxdc.cli import export_options as O
-from nxdc.cli.common import cli_errors, err_console, print_json
-from nxdc.errors import UserInputError
+from nxdc.api.export import export as export_model
+from nxdc.api.export import plan_export
+from nxdc.cli.common import CACHE_DIR, JSON, QUIET, VERBOSE, cli_errors, err_console, log_warnings, print_json
+from nxdc.cli.export_options import export_flags
+from nxdc.progress import RichReporter
 
 
 @cli_errors
+@export_flags
 def export(
     model: str = typer.Argument(None, help="Local HF dir, .gguf file, Hub id (org/name), or 'smollm2-135m'."),
     output: Path = typer.Option(
         None, "-o", "--output", help="Export directory to write (not needed with --dry-run)."
     ),
     config: Path = typer.Option(None, "--config", help="TOML preset (configs/*.toml); flags override it."),
-    tp: int = O.TP,
-    batch_size: int = O.BATCH_SIZE,
-    sequence_length: int = O.SEQUENCE_LENGTH,
-    max_context_length: int = O.MAX_CONTEXT_LENGTH,
-    min_context_bucket: int = O.MIN_CONTEXT_BUCKET,
-    context_buckets: str = O.CONTEXT_BUCKETS,
-    min_decode_bucket: int = O.MIN_DECODE_BUCKET,
-    decode_buckets: str = O.DECODE_BUCKETS,
-    dtype: str = O.DTYPE,
-    weights: str = O.WEIGHTS,
-    kv_cache: str = O.KV_CACHE,
     check_accuracy: bool = typer.Option(
         False,
         "--check-accuracy",
         help="Measure the --weights / --kv-cache formats' error against fp32 on a fixed text.",
     ),
-    speculation_length: int = O.SPECULATION_LENGTH,
-    num_layers: int = O.NUM_LAYERS,
-    chunk_buckets: str = O.CHUNK_BUCKETS,
-    decode_batch_sizes: str = O.DECODE_BATCH_SIZES,
-    backend: str = O.BACKEND,
-    kv_update: str = O.KV_UPDATE,
-    device: str = O.DEVICE,
-    cache_dir: Path = typer.Option(
-        None, "--cache-dir", envvar="NXDC_CACHE_DIR", help="Compile cache directory."
-    ),
+    cache_dir: Path = CACHE_DIR,
     remote: str = typer.Option(
         None,
         "--remote",
@@ -61,81 +46,53 @@ def export(
         help="Plan from this config.json alone (implies --dry-run): size a deployment with no weights, "
         "no download and no check that the backend/device exist here. MODEL may also be a config.json.",
     ),
-    json_out: bool = typer.Option(False, "--json", help="Print a JSON summary on stdout."),
-    quiet: bool = typer.Option(False, "-q", "--quiet", help="No progress output."),
-    verbose: bool = typer.Option(False, "-v", "--verbose", help="Tracebacks on errors."),
+    json_out: bool = JSON,
+    quiet: bool = QUIET,
+    verbose: bool = VERBOSE,
+    **options,  # the export options (nxdc/cli/export_options.py); None: not given
 ) -> None:
     """Compile MODEL into an export directory (weights + one compiled graph per bucket)."""
-    flags = dict(locals())  # the arguments; export_options keeps the ExportOptions ones
-    from rich.markup import escape
-
-    from nxdc.export import plan_summary, prepare, run_export
-    from nxdc.plan import load_preset
-    from nxdc.progress import NullReporter, RichReporter
-    from nxdc.sync.remote_cache import open_cache
-
-    preset = load_preset(config) if config else {}
-    model = model or preset.pop("model", None)
-    preset.pop("model", None)
-    if config_only is None and model and model.endswith(".json") and Path(model).is_file():
-        config_only = Path(model)  # a config.json alone: plan only
-    if config_only is not None:
-        model = model or str(config_only)
-    if not model:
-        raise UserInputError("missing MODEL (a directory, .gguf file, Hub id or smollm2-135m)")
-    if output is None and not (dry_run or config_only is not None):
-        raise UserInputError("missing -o/--output (the export directory to write)")
-    opts = O.export_options(preset, flags)
-    if dry_run or config_only is not None:
-        if config_only is not None:
-            from nxdc.plan import plan_from_config
-
-            _, spec, plan = plan_from_config(config_only, opts)
-        else:
-            _, _, spec, plan = prepare(model, opts, cache_dir)
-        summary = plan_summary(model, spec, plan)
-        summary["config_only"] = config_only is not None
-        if json_out:
-            print_json(summary)
-        elif not quiet:
-            err_console.print(describe_plan(summary), soft_wrap=True, markup=False)
+    if dry_run or config_only is not None or (model and model.endswith(".json") and Path(model).is_file()):
+        summary = plan_export(model, config=config, config_only=config_only, cache_dir=cache_dir, **options)
+        _show(summary, describe_plan(summary), json_out, quiet, markup=False)
         return
-    reporter = NullReporter() if (quiet or json_out) else RichReporter(err_console)
-    cache = open_cache(
-        cache_dir,
-        remote,
-        require_cache,
-        warn=lambda m: err_console.print(f"[yellow]warning:[/] {escape(m)}", soft_wrap=True),
-    )
-    if check_accuracy and opts.weights in (None, opts.dtype) and opts.kv_cache in (None, opts.dtype):
-        raise UserInputError(
-            "--check-accuracy measures --weights / --kv-cache formats against fp32: pass one of them"
+    with log_warnings():
+        result = export_model(
+            model,
+            output,
+            config=config,
+            cache_dir=cache_dir,
+            remote=remote,
+            require_cache=require_cache,
+            check_accuracy=check_accuracy,
+            progress=None if (quiet or json_out) else RichReporter(err_console),
+            **options,
         )
-    if check_accuracy and opts.dtype != "fp32":
-        raise UserInputError(
-            f"--check-accuracy compares against fp32 and needs --dtype fp32 (got {opts.dtype})"
-        )
-    result = run_export(model, output, opts, cache=cache, reporter=reporter)
-    summary = result.to_dict()
-    if check_accuracy:
-        from nxdc.accuracy import measure
+    _show(result.to_dict(), describe_result(result), json_out, quiet)
 
-        summary["accuracy"] = acc = measure(model, opts, cache_root=cache_dir)
+
+def _show(summary: dict, text: str, json_out: bool, quiet: bool, markup: bool = True) -> None:
     if json_out:
         print_json(summary)
     elif not quiet:
-        err_console.print(
-            f"[bold green]exported[/] {output} in {summary['seconds']:.1f}s "
-            f"({summary['cache_hits']} cache hits, {summary['compiled']} compiled; "
-            f"peak memory {summary['peak_rss_mib'] / 1024:.1f} GiB)"
-        )
-        if check_accuracy:
-            err_console.print(
-                f"accuracy of --weights {acc['weights']} --kv-cache {acc['kv_cache']} vs fp32 on {acc['tokens']} tokens: "
-                f"top-1 agreement {acc['top1_agreement']:.1%}, perplexity {acc['perplexity']:.3f} vs "
-                f"{acc['perplexity_fp32']:.3f} ({acc['perplexity_ratio'] - 1:+.2%}), "
-                f"max |logit error| {acc['max_abs_logit_error']:.3g}"
-            )
+        err_console.print(text, soft_wrap=True, markup=markup)
+
+
+def describe_result(r) -> str:
+    """The lines a finished export prints (an ``nxdc.ExportResult``)."""
+    line = (
+        f"[bold green]exported[/] {escape(str(r.out))} in {r.seconds:.1f}s ({r.cache_hits} cache hits, "
+        f"{r.compiled} compiled; peak memory {r.peak_rss_mib / 1024:.1f} GiB)"
+    )
+    acc = r.accuracy
+    if acc is None:
+        return line
+    return (
+        f"{line}\naccuracy of --weights {acc['weights']} --kv-cache {acc['kv_cache']} vs fp32 on {acc['tokens']} tokens: "
+        f"top-1 agreement {acc['top1_agreement']:.1%}, perplexity {acc['perplexity']:.3f} vs "
+        f"{acc['perplexity_fp32']:.3f} ({acc['perplexity_ratio'] - 1:+.2%}), "
+        f"max |logit error| {acc['max_abs_logit_error']:.3g}"
+    )
 
 
 def describe_plan(s: dict) -> str:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from nxdc.cli.common import cli_errors, err_console, print_json
+from nxdc.cli.common import JSON, QUIET, VERBOSE, cli_errors, err_console, print_json
 from nxdc.errors import UserInputError
 from nxdc.runtime.tokenizer import load_tokenizer
 
@@ -37,9 +37,9 @@ def generate(
     speculation_length: int = typer.Option(
         None, "--speculation-length", help="Draft tokens per step. \\[default: the export's K]"
     ),
-    json_out: bool = typer.Option(False, "--json", help="Print results and stats as JSON."),
-    quiet: bool = typer.Option(False, "-q", "--quiet", help="Only the generated text."),
-    verbose: bool = typer.Option(False, "-v", "--verbose", help="Tracebacks on errors."),
+    json_out: bool = JSON,
+    quiet: bool = QUIET,
+    verbose: bool = VERBOSE,
 ) -> None:
     """Generate text from an export directory (no recompilation). Exports made with --tp N run
     N processes (started here; or by torchrun across machines)."""

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import typer
 
-from nxdc.cli.common import cli_errors
+from nxdc.cli.common import QUIET, VERBOSE, cli_errors
 from nxdc.errors import UserInputError
 
 
@@ -55,8 +55,8 @@ def serve(
     max_body_bytes: int = typer.Option(
         1 << 20, "--max-body-bytes", help="Largest request body accepted (larger: 413)."
     ),
-    quiet: bool = typer.Option(False, "-q", "--quiet", help="No start-up line."),
-    verbose: bool = typer.Option(False, "-v", "--verbose", help="Tracebacks on errors."),
+    quiet: bool = QUIET,
+    verbose: bool = VERBOSE,
 ) -> None:
     """Serve an export over HTTP (OpenAI API: /v1/completions, /v1/chat/completions), batching requests
     as they arrive into the export's batch rows."""

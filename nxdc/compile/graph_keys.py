@@ -31,7 +31,7 @@ def key_parts(
         **({"weights": plan.weights} if plan.weights else {}),
         **({"weight_map": plan.weight_map} if plan.weight_map else {}),
         **({"kv_cache": plan.kv_cache} if plan.kv_cache else {}),
-        **({"kv_update": plan.kv_update} if plan.kv_update else {}),
+        **({"kv_update": plan.kv_update} if plan.kv_update != "in-place" else {}),  # keys as before
         "tp": plan.tp,
         **({"speculation_length": plan.speculation_length} if bucket.kind == "verify" else {}),
         "code": model_code_digest(),

@@ -11,19 +11,19 @@ import dataclasses
 import torch
 
 from nxdc.buckets import Bucket
-from nxdc.kernels import cpu_supported, disabled, ensure_loaded
-from nxdc.model.attention import use_functional_kv
+from nxdc.compile.backends.registry import rules
+from nxdc.kernels import KernelLoad, cpu_supported, disabled, ensure_loaded
 from nxdc.model.decoder import ContextEncoding, Decoder, FunctionalKV, RowPrefill, TokenGeneration, Verify
 from nxdc.model.dtypes import TORCH_DTYPES
-from nxdc.model.layers import use_kernels
 from nxdc.model.sharding import shard_layout
 from nxdc.plan import ExportPlan
 from nxdc.spec import ModelSpec
 
 
-def meta_decoder(spec: ModelSpec, plan: ExportPlan) -> Decoder:
+def meta_decoder(spec: ModelSpec, plan: ExportPlan, kernels: bool = False) -> Decoder:
     """One rank's decoder with shapes and dtypes only (no memory): for shape checks and tracing.
-    Every rank has the same shapes, so one graph per bucket serves them all."""
+    Every rank has the same shapes, so one graph per bucket serves them all. ``kernels``: its
+    layers call nxdc's CPU kernels."""
     with torch.device("meta"):
         return Decoder(
             spec,
@@ -34,26 +34,27 @@ def meta_decoder(spec: ModelSpec, plan: ExportPlan) -> Decoder:
             weights=plan.weights,
             weight_map=plan.weight_map,
             kv_dtype=TORCH_DTYPES[plan.kv_format],
+            kernels=kernels,
+            kv_update=plan.kv_update,
         )
 
 
-def build_decoder(spec: ModelSpec, plan: ExportPlan, kernels: bool = False) -> Decoder:
-    model = meta_decoder(spec, plan).to_empty(device=plan.host_device).eval()
-    use_kernels(model, kernels)
-    use_functional_kv(model, plan.kv_update == "functional")
-    return model
+def build_decoder(spec: ModelSpec, plan: ExportPlan, device: str, kernels: bool = False) -> Decoder:
+    """One rank's decoder to trace, on ``device`` (the plan's host device), weights uninitialised."""
+    return meta_decoder(spec, plan, kernels).to_empty(device=device).eval()
 
 
 def kernels_apply(plan: ExportPlan) -> bool:
-    """nxdc's CPU kernels are for inductor graphs on CPU (every ``--dtype``: fp16 / bf16
-    activations enter them as fp32), on CPUs with AVX2/FMA, unless disabled."""
-    return plan.backend == "inductor" and plan.device == "cpu" and cpu_supported() and not disabled()
+    """nxdc's CPU kernels are for graphs on the CPU of a backend that calls them (its
+    ``cpu_kernels``: inductor; every ``--dtype``: fp16 / bf16 activations enter them as fp32), on
+    CPUs with AVX2/FMA, unless disabled."""
+    return rules(plan.backend).cpu_kernels and plan.device == "cpu" and cpu_supported() and not disabled()
 
 
-def wants_kernels(plan: ExportPlan, cache=None) -> bool:
-    """Whether the plan's graphs call nxdc's CPU kernels: they apply and could be loaded (from
-    ``cache``, its remote, or a build)."""
-    return kernels_apply(plan) and ensure_loaded(cache)
+def wants_kernels(plan: ExportPlan, cache=None) -> KernelLoad | None:
+    """Whether the plan's graphs call nxdc's CPU kernels: None where they do not apply, else
+    how loading them went (from ``cache``, its remote, or a build; true where they loaded)."""
+    return ensure_loaded(cache) if kernels_apply(plan) else None
 
 
 def graph_for(
@@ -70,12 +71,8 @@ def graph_for(
     else:
         graph = TokenGeneration(model, bucket.length)
     if return_kv is None:
-        return_kv = functional_kv(model)
+        return_kv = model.kv_update == "functional"
     return FunctionalKV(graph) if return_kv else graph
-
-
-def functional_kv(model: Decoder) -> bool:
-    return bool(model.layers) and model.layers[0].self_attn.functional_kv
 
 
 def input_specs(bucket: Bucket, batch: int, speculation: int = 0) -> list[tuple[str, tuple[int, ...]]]:

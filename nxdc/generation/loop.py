@@ -10,7 +10,8 @@ import torch
 
 from nxdc.errors import UserInputError
 from nxdc.generation.sampling import Sampler, SamplingParams
-from nxdc.generation.stopping import find_stop
+from nxdc.generation.text import TextStream
+from nxdc.generation.text import eos_ids as model_eos_ids
 
 
 @dataclass
@@ -19,7 +20,12 @@ class SequenceResult:
     text: str
     prompt_tokens: int
     token_ids: list[int]
-    stop_reason: str  # eos | stop | length | max_seq
+    stop_reason: str  # eos | stop | length | max_seq: the cause, as --json has always named it
+    finish_reason: str  # stop | length (OpenAI's)
+
+
+# a TextStream's cause -> SequenceResult.stop_reason
+STOP_REASONS = {"eos": "eos", "stop_string": "stop", "max_new_tokens": "length", "max_seq": "max_seq"}
 
 
 @dataclass
@@ -78,17 +84,26 @@ def encode_prompts(tokenizer, prompts: list[str], chat: bool) -> list[list[int]]
 
 
 class Outputs:
-    """Per-sequence bookkeeping shared by plain and speculative decoding: append a token, apply
-    EOS / stop strings / length limits, stream the first sequence's text."""
+    """Per-sequence bookkeeping shared by plain and speculative decoding: append a token, let the
+    sequence's ``TextStream`` apply EOS / stop strings / length limits, stream the first
+    sequence's text."""
 
     def __init__(self, tokenizer, ids, max_new_tokens, max_seq, eos, stops, on_text):
-        self.tokenizer, self.ids, self.max_new, self.max_seq = tokenizer, ids, max_new_tokens, max_seq
-        self.eos, self.stops, self.on_text = eos, stops, on_text
-        n = len(ids)
+        self.ids, self.on_text = ids, on_text
         self.lengths = [len(p) for p in ids]
-        self.out: list[list[int]] = [[] for _ in range(n)]
-        self.texts = [""] * n
-        self.reasons: list[str | None] = [None] * n
+        self.out: list[list[int]] = [[] for _ in ids]
+        self.texts = [""] * len(ids)
+        self.streams = [
+            TextStream(
+                tokenizer,
+                max_new_tokens=max_new_tokens,
+                eos=eos,
+                stops=stops,
+                room=max_seq - n,
+                live=bool(on_text) and i == 0,
+            )
+            for i, n in enumerate(self.lengths)
+        ]
         self.streamed = 0
 
     @property
@@ -96,11 +111,11 @@ class Outputs:
         return len(self.ids)
 
     def active(self, i: int) -> bool:
-        return self.reasons[i] is None
+        return not self.streams[i].finished
 
     @property
     def done(self) -> bool:
-        return all(self.reasons)
+        return all(s.finished for s in self.streams)
 
     def context(self, i: int) -> list[int]:
         return self.ids[i] + self.out[i]
@@ -110,55 +125,36 @@ class Outputs:
         return self.lengths[i] + len(self.out[i]) - 1
 
     def push(self, i: int, tok: int) -> bool:
-        """Append ``tok`` to sequence ``i``; False once the sequence has finished."""
-        if self.reasons[i]:
+        """Append ``tok`` to sequence ``i`` (an EOS token ends it unappended); False once the
+        sequence has finished."""
+        stream = self.streams[i]
+        if stream.finished:
             return False
-        if tok in self.eos:
-            self.reasons[i] = "eos"
-            return False
-        self.out[i].append(tok)
-        stops = self.stops
-        if stops or (self.on_text and i == 0):
-            prev = len(self.texts[i])
-            self.texts[i] = self.tokenizer.decode(self.out[i], skip_special_tokens=True)
-            cut = find_stop(self.texts[i], stops, prev - max((len(s) for s in stops), default=0))
-            if cut is not None:
-                self.texts[i] = self.texts[i][:cut]
-                self.reasons[i] = "stop"
-        if not self.reasons[i] and len(self.out[i]) >= self.max_new:
-            self.reasons[i] = "length"
-        elif not self.reasons[i] and self.lengths[i] + len(self.out[i]) >= self.max_seq:
-            self.reasons[i] = "max_seq"
-        return self.reasons[i] is None
+        piece = stream.push(tok)
+        if piece.text is not None:
+            self.out[i].append(tok)
+            self.texts[i] += piece.text
+        self.texts[i] += piece.rest
+        return not stream.finished
 
     def flush(self) -> None:
-        """Stream the first sequence's settled text: hold back a trailing partial UTF-8
-        character and any text a stop string may still claim."""
-        if not self.on_text or not self.n:
-            return
-        text, done = self.texts[0], self.reasons[0] is not None
-        upto = len(text) - (0 if done else max((len(s) for s in self.stops), default=0))
-        if text.endswith("\ufffd") and not done:
-            upto = min(upto, len(text) - 1)
-        if upto > self.streamed:
-            self.on_text(text[self.streamed : upto])
-            self.streamed = upto
+        """Stream the first sequence's new text (its ``TextStream`` holds back a partial
+        character and any text a stop string may still claim)."""
+        if self.on_text and self.n and len(self.texts[0]) > self.streamed:
+            self.on_text(self.texts[0][self.streamed :])
+            self.streamed = len(self.texts[0])
 
     def results(self, prompts: list[str]) -> list[SequenceResult]:
-        def text(i: int) -> str:  # texts[] is kept up to date only where stops or streaming need it
-            if self.stops or (self.on_text and i == 0):
-                return self.texts[i]
-            return self.tokenizer.decode(self.out[i], skip_special_tokens=True)
-
         return [
             SequenceResult(
                 prompts[i],
-                text(i),
+                self.texts[i],
                 self.lengths[i],
                 self.out[i],
-                self.reasons[i] or "length",
+                STOP_REASONS[s.cause],
+                s.finish_reason,
             )
-            for i in range(self.n)
+            for i, s in enumerate(self.streams)
         ]
 
 
@@ -200,9 +196,7 @@ def generate(
             f"re-export with --batch-size {len(prompts)} or pass fewer prompts"
         )
     sampler = Sampler(sampling or SamplingParams())
-    eos = set(eos_ids if eos_ids is not None else runner.spec.eos_token_ids)
-    if tokenizer.eos_token_id is not None and eos_ids is None:
-        eos.add(int(tokenizer.eos_token_id))
+    eos = set(eos_ids) if eos_ids is not None else model_eos_ids(runner.spec.eos_token_ids, tokenizer)
     ids = prompt_ids if prompt_ids is not None else encode_prompts(tokenizer, prompts, chat)
     outs = Outputs(tokenizer, ids, max_new_tokens, runner.max_seq, eos, list(stop or []), on_text)
     res = GenerationResult()

@@ -37,6 +37,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -112,21 +113,37 @@ def kernel_entry() -> tuple[str, str, dict]:
     return ns, digest(parts), parts
 
 
-# How this process got its kernel library: "hit", "pulled from remote URL", or the miss reason
-# and "built" (for the export's progress line); None until ensure_loaded() ran.
-status: dict[str, object] = {}
+@dataclass(frozen=True)
+class KernelLoad:
+    """How this process got its kernel library (``ensure_loaded``'s answer): usable or not, and
+    ``reason``: "hit", "pulled from remote URL", the miss reason and "built" (for the export's
+    progress line), or why the kernels are unavailable. True where usable."""
+
+    ok: bool
+    hit: bool
+    reason: str
+
+    def __bool__(self) -> bool:
+        return self.ok
 
 
-def ensure_loaded(cache=None) -> bool:
+_result: list[KernelLoad] = []  # this process's answer, once found (loading a library is per process)
+
+
+def ensure_loaded(cache=None) -> KernelLoad:
     """Load this nxdc's kernel library from the compile cache (``cache``; default: the local
     one), which pulls it from the cache remote when it has one, else build it with the system
-    C++ compiler and cache it; False where unavailable (disabled, no AVX2/FMA, no compiler).
-    With ``--require-cache`` a library that would have to be built is an error."""
-    if "ok" in status:
-        return bool(status["ok"])
+    C++ compiler and cache it; false where unavailable (disabled, no AVX2/FMA, no compiler).
+    With ``--require-cache`` a library that would have to be built is an error. The answer is
+    the same for the rest of the process."""
+    if not _result:
+        _result.append(_find_library(cache))
+    return _result[0]
+
+
+def _find_library(cache) -> KernelLoad:
     if disabled() or not cpu_supported():
-        status.update(ok=False, reason="disabled" if disabled() else "CPU lacks AVX2/FMA")
-        return False
+        return KernelLoad(False, False, "disabled" if disabled() else "CPU lacks AVX2/FMA")
     if _loaded:  # an export's own copy, loaded by load_export_library
         same = _loaded["digest"] == kernel_digest()
         if not same:
@@ -135,19 +152,17 @@ def ensure_loaded(cache=None) -> bool:
                 _loaded["digest"],
                 kernel_digest(),
             )
-        status.update(ok=same, hit=True, reason="loaded from an export")
-        return same
+        return KernelLoad(same, True, "loaded from an export")
     try:
         path, hit, reason = _cached_library(cache or CompileCache())
         _load(str(path), kernel_digest(), already=not hit)
-        status.update(ok=True, hit=hit, reason=reason)
+        return KernelLoad(True, hit, reason)
     except CacheError:
         raise
     except Exception as e:  # no compiler, no headers, ...: fall back to PyTorch kernels
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         log.warning("nxdc CPU kernels unavailable, using PyTorch's (%s)", first)
-        status.update(ok=False, hit=False, reason=f"unavailable: {first}")
-    return bool(status["ok"])
+        return KernelLoad(False, False, f"unavailable: {first}")
 
 
 def _cached_library(cache) -> tuple[Path, bool, str]:
@@ -171,7 +186,7 @@ def _cached_library(cache) -> tuple[Path, bool, str]:
             entry = Path(tmp) / "entry"
             entry.mkdir()
             shutil.copy2(so, entry / LIBRARY)
-            info = {"compiler": _compiler(), "cflags": CFLAGS}
+            info = {"compiler": (compiler() or ("?", os.environ.get("CXX", "c++")))[1], "cflags": CFLAGS}
             (entry / BUILD_INFO).write_text(json.dumps(info, indent=1))
             d = cache.put(ns, key, parts, entry)
     return d / LIBRARY, False, f"{found.reason} → built"
@@ -195,13 +210,19 @@ def _build(d: Path) -> Path:
     return Path(so if isinstance(so, str) else d / LIBRARY)
 
 
-def _compiler() -> str:
+def compiler() -> tuple[str, str] | None:
+    """The C++ compiler torch's builds use (``CXX``, else ``c++``) and its version line, if it runs."""
     cxx = os.environ.get("CXX", "c++")
+    path = shutil.which(cxx)
+    if path is None:
+        return None
     try:
-        out = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
-        return out.strip().splitlines()[0] if out.strip() else cxx
+        res = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.SubprocessError):
-        return cxx
+        return None
+    if res.returncode != 0:
+        return None
+    return cxx, res.stdout.strip().splitlines()[0] if res.stdout.strip() else cxx
 
 
 def load_export_library(export_dir: Path, digest: str, entry, verify: bool = True) -> None:

@@ -9,7 +9,7 @@ chunk's padding) writes back the bytes its slot already holds: the cache is left
 ``[batch, kv_heads, group * T, head_dim]`` so every KV head serves its query group without
 expanding the cache (no ``repeat_interleave``).
 
-``functional_kv`` (set by ``use_functional_kv``): the write is out of place (``index_copy``) and the
+``functional_kv`` (the decoder's ``kv_update="functional"``): the write is out of place (``index_copy``) and the
 new cache is re-assigned to the buffer attribute, the form NxD's ModelBuilder and XLA need (they
 alias it to the input); ``FunctionalKV`` (decoder.py) returns it from the graph.
 """
@@ -28,17 +28,7 @@ from nxdc.spec import ModelSpec
 QKV = (Part("q_proj", Q_HEADS), Part("k_proj", KV_HEADS), Part("v_proj", KV_HEADS))
 
 
-def use_functional_kv(model: nn.Module, enabled: bool = True) -> None:
-    """Write every Attention's KV cache out of place and re-assign it (or back to in place)."""
-    for m in model.modules():
-        if isinstance(m, Attention):
-            m.functional_kv = enabled
-
-
 class Attention(nn.Module):
-    kernels = False  # nxdc::attend for prefill, decode and verify (on CPU); set by use_kernels
-    functional_kv = False  # set by use_functional_kv
-
     def __init__(
         self,
         spec: ModelSpec,
@@ -48,8 +38,11 @@ class Attention(nn.Module):
         dtype: torch.dtype,
         device=None,
         kv_dtype: torch.dtype | None = None,  # the cache's storage (--kv-cache); None: dtype
+        kernels: bool = False,  # nxdc::attend for prefill, decode and verify (on CPU)
+        functional_kv: bool = False,  # write the cache out of place and re-assign it
     ):
         super().__init__()
+        self.kernels, self.functional_kv = kernels, functional_kv
         # this rank's heads (all of them at tp 1); o_proj's partial sums meet in an all-reduce
         self.n_heads, self.n_kv, self.head_dim = layout.heads, layout.kv, spec.head_dim
         self.tp = layout.tp
@@ -57,8 +50,8 @@ class Attention(nn.Module):
         h, d, b = spec.hidden_size, spec.head_dim, spec.attention_bias
         self.splits = (self.n_heads * d, self.n_kv * d, self.n_kv * d)
         qkv_bias = b or spec.qkv_bias  # Qwen2: q/k/v biases, no o bias
-        self.qkv_proj = Linear(h, sum(self.splits), qkv_bias, dtype, device, parts=QKV)  # model/fused.py
-        self.o_proj = Linear(self.n_heads * d, h, b, dtype, device, shard=HEAD_COLS)
+        self.qkv_proj = Linear(h, sum(self.splits), qkv_bias, dtype, device, parts=QKV, kernels=kernels)
+        self.o_proj = Linear(self.n_heads * d, h, b, dtype, device, shard=HEAD_COLS, kernels=kernels)
         if spec.qk_norm:  # Qwen3: RMSNorm over head_dim of every q and k head, before RoPE
             self.q_norm = RMSNorm(d, spec.rms_norm_eps, dtype, device)
             self.k_norm = RMSNorm(d, spec.rms_norm_eps, dtype, device)

@@ -62,16 +62,20 @@ class DecoderLayer(nn.Module):
         dtype,
         device=None,
         kv_dtype=None,
+        kernels: bool = False,
+        functional_kv: bool = False,
     ):
         super().__init__()
         self.tp = layout.tp
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
-        self.self_attn = Attention(spec, layout, batch, max_seq, dtype, device, kv_dtype)
+        self.self_attn = Attention(
+            spec, layout, batch, max_seq, dtype, device, kv_dtype, kernels, functional_kv
+        )
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
         if spec.is_moe:  # sparse experts in place of the MLP (same name, same all-reduce)
-            self.mlp = MoE(spec, layout, dtype, device)
+            self.mlp = MoE(spec, layout, dtype, device, kernels=kernels)
         else:
-            self.mlp = MLP(spec, dtype, device, intermediate=layout.intermediate)
+            self.mlp = MLP(spec, dtype, device, intermediate=layout.intermediate, kernels=kernels)
 
     def forward(self, h, cos, sin, positions, mask, kv_len, rows=None, keep=None):
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, positions, mask, kv_len, rows, keep)
@@ -80,7 +84,14 @@ class DecoderLayer(nn.Module):
 
 class Decoder(nn.Module):
     """One rank's decoder (the whole model at tp 1): replicated embedding and norms, this
-    rank's heads / MLP columns / vocabulary rows (``layout``)."""
+    rank's heads / MLP columns / vocabulary rows (``layout``).
+
+    Modes, fixed at construction: ``kernels`` routes linear layers and attention to nxdc's CPU
+    kernels (decided at export: ``compile/trace.py``); ``kv_update`` ``"functional"`` writes the
+    KV caches out of place and re-assigns them (graphs wrapped in ``FunctionalKV`` return them),
+    ``"in-place"`` writes them with ``index_copy_``."""
+
+    KV_UPDATES = ("in-place", "functional")
 
     def __init__(
         self,
@@ -93,17 +104,26 @@ class Decoder(nn.Module):
         weights: str | None = None,
         kv_dtype: torch.dtype | None = None,  # the KV cache's storage (None: dtype)
         weight_map: dict[str, str] | None = None,  # weights "gguf": each module's format
+        kernels: bool = False,
+        kv_update: str = "in-place",
     ):
         super().__init__()
+        if kv_update not in self.KV_UPDATES:
+            raise ValueError(f"kv_update must be one of {self.KV_UPDATES} (got {kv_update!r})")
+        self.kernels, self.kv_update = kernels, kv_update
         layout = layout or shard_layout(spec, 1)
         self.spec, self.batch, self.max_seq, self.tp, self.layout = spec, batch, max_seq, layout.tp, layout
         self.embed_tokens = Embedding(spec.vocab_size, spec.hidden_size, dtype, device)
         self.layers = nn.ModuleList(
-            DecoderLayer(spec, layout, batch, max_seq, dtype, device, kv_dtype)
+            DecoderLayer(
+                spec, layout, batch, max_seq, dtype, device, kv_dtype, kernels, kv_update == "functional"
+            )
             for _ in range(spec.num_layers)
         )
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
-        self.lm_head = Linear(spec.hidden_size, layout.vocab, False, dtype, device, shard=VOCAB_ROWS)
+        self.lm_head = Linear(
+            spec.hidden_size, layout.vocab, False, dtype, device, shard=VOCAB_ROWS, kernels=kernels
+        )
         if weights is not None:  # --weights (model/weight_format.py): stored formats (norms, routers: dtype)
             for name, m in self.named_modules():
                 fmt = module_format(weights, name, weight_map)
@@ -160,7 +180,7 @@ class Decoder(nn.Module):
 
 
 class FunctionalKV(nn.Module):
-    """A graph wrapper whose decoder writes its KV caches functionally (``use_functional_kv``):
+    """A graph wrapper whose decoder writes its KV caches functionally (``kv_update="functional"``):
     it returns ``(logits, *new caches)`` in ``kv_cache_names`` order and leaves the decoder's
     buffers as they were. It holds the decoder as ``.model`` too (not the wrapped graph, which
     would prefix every name), so its constants are named like every other graph's."""

@@ -68,7 +68,6 @@ class Linear(nn.Module):
     activations, bias and accumulation stay in the compute dtype. Without the kernels (CUDA, CPUs
     without AVX2) a stored weight is converted per call and PyTorch's matmul runs."""
 
-    kernels = False  # set per instance by the exporter / runtime builder (use_kernels)
     stored: str | None = None  # the format's kind (fp16 | bf16 | int8 | int4); None: compute dtype
     fmt: WeightFormat | None = None
 
@@ -81,11 +80,13 @@ class Linear(nn.Module):
         device=None,
         shard: str = REPLICATED,
         parts: tuple[Part, ...] = (),
+        kernels: bool = False,
     ):
         """``shard``: how the weight splits over ranks (``model/sharding.py``); ``parts``: the
-        checkpoint tensors a combined weight is made of, in row order, each with its own role."""
+        checkpoint tensors a combined weight is made of, in row order, each with its own role;
+        ``kernels``: run nxdc's CPU kernels (decided at export)."""
         super().__init__()
-        self.shard, self.parts = shard, parts
+        self.shard, self.parts, self.kernels = shard, parts, kernels
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device))
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)) if bias else None
 
@@ -160,13 +161,6 @@ class Embedding(nn.Module):
         return dequantized(rows, self.fmt, self.scale[ids], None if mins is None else mins[ids], self.dtype)
 
 
-def use_kernels(model: nn.Module, enabled: bool = True) -> None:
-    """Route every module that has a kernel of nxdc's (Linear, Attention) to it, or back."""
-    for m in model.modules():
-        if hasattr(type(m), "kernels"):
-            m.kernels = enabled
-
-
 GATE_UP = (Part("gate_proj", MLP_ROWS), Part("up_proj", MLP_ROWS))
 
 
@@ -175,12 +169,19 @@ class MLP(nn.Module):
     ``intermediate`` is this rank's share under tensor parallelism (the caller all-reduces the
     output)."""
 
-    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device=None, intermediate: int | None = None):
+    def __init__(
+        self,
+        spec: ModelSpec,
+        dtype: torch.dtype,
+        device=None,
+        intermediate: int | None = None,
+        kernels: bool = False,
+    ):
         super().__init__()
         h, b = spec.hidden_size, spec.mlp_bias
         i = intermediate or spec.intermediate_size
-        self.gate_up_proj = Linear(h, 2 * i, b, dtype, device, parts=GATE_UP)
-        self.down_proj = Linear(i, h, b, dtype, device, shard=MLP_COLS)
+        self.gate_up_proj = Linear(h, 2 * i, b, dtype, device, parts=GATE_UP, kernels=kernels)
+        self.down_proj = Linear(i, h, b, dtype, device, shard=MLP_COLS, kernels=kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.gate_up_proj.swiglu(x))

@@ -73,11 +73,13 @@ class Experts(nn.Module):
 class MoE(nn.Module):
     """This rank's share of a sparse MoE block; the caller all-reduces the output."""
 
-    def __init__(self, spec: ModelSpec, layout: ShardLayout, dtype: torch.dtype, device=None):
+    def __init__(
+        self, spec: ModelSpec, layout: ShardLayout, dtype: torch.dtype, device=None, kernels: bool = False
+    ):
         super().__init__()
         h, e = spec.hidden_size, spec.num_experts
         self.num_experts, self.top_k, self.renormalize = e, spec.experts_per_token, spec.norm_topk_prob
-        self.router = Linear(h, e, False, dtype, device)
+        self.router = Linear(h, e, False, dtype, device, kernels=kernels)
         self.experts = Experts(e, h, expert_intermediate(spec, layout.tp), dtype, device)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,7 +9,8 @@ import torch
 from safetensors.torch import load_file
 
 from nxdc.cache.keys import sha256_file
-from nxdc.compile.backends import IN_PROCESS_TP, Graph, GraphState, get_backend
+from nxdc.compile.backends.base import Graph, GraphState
+from nxdc.compile.backends.registry import host_device, rules
 from nxdc.errors import ExportDirError
 from nxdc.kernels import load_export_library
 from nxdc.manifest import Manifest, load_manifest
@@ -42,16 +43,18 @@ class Session:
         self.rank = rank
         self.layout = shard_layout(self.spec, self.plan.tp)
         self.threads = apply_threads(threads)
-        self.device = self.plan.host_device  # where tensors are loaded (neuron: cpu, not its target)
-        backend = get_backend(self.plan.backend, self.plan.device)
+        self.device = host_device(self.plan)  # where tensors are loaded (neuron: cpu, not its target)
+        backend_rules = rules(self.plan.backend)
+        backend = backend_rules.create(self.plan.device)
         if self.manifest.kernels:  # graphs call nxdc::linear_* / attend: load the library
             load_export_library(self.dir, self.manifest.kernels, self.manifest.kernel_library, verify)
         self.state = GraphState(
             backend.place(self._constants()),
             [GRAPH_PREFIX + n for n in kv_cache_names(self.spec)],
             tp=self.plan.tp,
+            kv_update=self.plan.kv_update,
         )
-        if self.plan.tp > 1 and self.plan.backend in IN_PROCESS_TP:  # one process feeds every rank
+        if self.plan.tp > 1 and backend_rules.in_process_tp:  # one process feeds every rank
             others = [backend.place(self._constants(r)) for r in range(1, self.plan.tp)]
             self.state.extra["ranks"] = [self.state.tensors, *others]
         self.graphs: dict[str, Graph] = {}

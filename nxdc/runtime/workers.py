@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from nxdc.compile.backends import IN_PROCESS_TP
+from nxdc.compile.backends.registry import rules
 from nxdc.errors import NxdcError
 from nxdc.manifest import load_manifest
 from nxdc.runtime.runner import Runner
@@ -76,7 +76,7 @@ def _rank_device(device: str, rank: int) -> str | None:
 def open_runner(export_dir: str | Path, threads: int | None = None, verify: bool = True) -> Runner:
     manifest = load_manifest(export_dir)
     tp = manifest.plan.tp
-    if tp == 1 or manifest.plan.backend in IN_PROCESS_TP:  # neuron: one process drives every rank
+    if tp == 1 or rules(manifest.plan.backend).in_process_tp:  # neuron: one process drives every rank
         return Runner(Session(export_dir, threads=threads, verify=verify, manifest=manifest))
     if threads is None:
         threads = max(1, default_threads() // tp)

@@ -14,8 +14,9 @@ its prompt (reused, not recomputed: ``cached_tokens``), else the least recently 
    row decoding, ``prefill_chunk`` (nobody waits);
 3. one decode step runs over every row whose prompt is in, the idle rows untouched;
 4. each row samples with its own request's parameters and seed (a row's logits do not depend on
-   the other rows, so neither do its tokens), detokenizes incrementally, checks EOS, stop
-   strings (across token boundaries), ``max_tokens`` and the cache length, and emits.
+   the other rows, so neither do its tokens) and emits; its ``TextStream``
+   (``nxdc.generation.text``, as in ``nxdc generate``) detokenizes incrementally and decides the
+   end: EOS, stop strings (across token boundaries), ``max_tokens`` and the cache length.
 
 Aborted requests (a client gone) free their row before the next step. A failure that belongs to
 one request (a token id outside the vocabulary, sampling parameters the sampler refuses, an
@@ -32,14 +33,15 @@ import torch
 
 from nxdc.errors import UserInputError
 from nxdc.generation.sampling import Sampler, SamplingParams
+from nxdc.generation.text import TextStream, eos_ids
 from nxdc.serve.protocol import Done, Events, Failed, Started, Submit, Token
-from nxdc.serve.text import Detokenizer, StopStrings, TextTokenizer
+from nxdc.serve.text import TextTokenizer
 
 
 class Seq:
     """One request's state while it waits or runs."""
 
-    def __init__(self, msg: Submit, tokenizer: TextTokenizer, now: float):
+    def __init__(self, msg: Submit, tokenizer: TextTokenizer, now: float, eos: set[int], max_seq: int):
         self.msg, self.id = msg, msg.id
         self.prompt = list(msg.prompt_ids)
         greedy = msg.temperature <= 0 or msg.top_p <= 0  # top_p -> 0 keeps the likeliest token alone
@@ -52,8 +54,13 @@ class Seq:
                 seed=msg.seed,
             )
         )
-        self.detok = Detokenizer(tokenizer)
-        self.stops = StopStrings(list(msg.stop))
+        self.text = TextStream(  # decides when the request ends: EOS, stop strings, lengths
+            tokenizer,
+            max_new_tokens=msg.max_tokens,
+            eos=set() if msg.ignore_eos else eos,
+            stops=msg.stop,
+            room=max_seq - len(self.prompt),
+        )
         self.out: list[int] = []  # sampled tokens (the last one not yet in the cache)
         self.fed = 0  # prompt tokens in the row's cache
         self.cached = 0  # of those, reused from the row's previous request
@@ -170,9 +177,7 @@ class Engine:
         self.waiting: deque[Seq] = deque()
         self.prefilling: deque[Seq] = deque()  # admitted, prompt not all in yet: oldest first
         self.seqs: dict[str, Seq] = {}
-        self.eos = set(runner.spec.eos_token_ids)
-        if tokenizer.eos_token_id is not None:
-            self.eos.add(tokenizer.eos_token_id)
+        self.eos = eos_ids(runner.spec.eos_token_ids, tokenizer)
         self._tick = 0
         self._early: list = []  # events of requests refused on submit, sent with the next step
         self._changed = False  # rows freed by an abort: the next step reports them
@@ -188,7 +193,7 @@ class Engine:
                     f"{len(msg.prompt_ids)} prompt tokens: this export takes 1 to {self.runner.max_seq - 1}"
                 )
             self.runner.check_ids(list(msg.prompt_ids))
-            seq = Seq(msg, self.tokenizer, self.clock())
+            seq = Seq(msg, self.tokenizer, self.clock(), self.eos, self.runner.max_seq)
         except Exception as e:
             self._early.append(_failure(msg.id, e))
             return
@@ -322,26 +327,17 @@ class Engine:
             self._fail(seq, e, ev)
 
     def _push(self, seq: Seq, token: int, ev: Events) -> None:
-        """Append a sampled token; emit its text, and finish the request if it is done."""
+        """Append a sampled token (an EOS one too: it is counted, not printed); emit its text, and
+        finish the request if its ``TextStream`` says it is done."""
         seq.out.append(token)
-        if token in self.eos and not seq.msg.ignore_eos:
-            return self._finish(seq, "stop", ev)
-        text, stopped = seq.stops.feed(seq.detok.add(token))
-        ev.events.append(Token(seq.id, text))
-        if stopped:
-            return self._finish(seq, "stop", ev, rest="")
-        if len(seq.out) >= seq.msg.max_tokens or len(seq.prompt) + len(seq.out) >= self.runner.max_seq:
-            return self._finish(seq, "length", ev)
-
-    def _finish(self, seq: Seq, reason: str, ev: Events, rest: str | None = None) -> None:
-        if rest is None:  # release what was held back: a last character, a possible stop string
-            rest, stopped = seq.stops.feed(seq.detok.flush())
-            reason = "stop" if stopped else reason
-            rest += "" if stopped else seq.stops.flush()
-        n = len(seq.prompt)
-        ev.events.append(Done(seq.id, reason, rest, n, len(seq.out), seq.cached))
-        self.seqs.pop(seq.id, None)
-        self._release(seq)
+        piece = seq.text.push(token)
+        if piece.text is not None:
+            ev.events.append(Token(seq.id, piece.text))
+        if seq.text.finished:
+            n = len(seq.prompt)
+            ev.events.append(Done(seq.id, seq.text.finish_reason, piece.rest, n, len(seq.out), seq.cached))
+            self.seqs.pop(seq.id, None)
+            self._release(seq)
 
     def _fail(self, seq: Seq, error: Exception, ev: Events) -> None:
         """End one request with an error and free its row (whose cache is not reused)."""

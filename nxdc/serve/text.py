@@ -1,7 +1,8 @@
 """Text in and out of the server without torch: the export's ``tokenizer.json`` through the
 ``tokenizers`` library, its chat template through jinja2 the way ``transformers`` renders it
 (same environment, filters and variables; the token ids match ``nxdc generate --chat``,
-tests/test_serve_text.py), incremental detokenization and stop strings across token boundaries.
+tests/test_serve_text.py). Incremental detokenization and stop strings are
+``nxdc.generation.text``'s, shared with ``nxdc generate``.
 
 Why not ``transformers.AutoTokenizer``: importing it imports torch (~2 s, ~400 MB), and the HTTP
 process of ``nxdc serve`` must stay light and responsive beside the engine process."""
@@ -103,8 +104,10 @@ class TextTokenizer:
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         return env.from_string(self.chat_template)
 
-    def decode(self, ids: list[int]) -> str:
-        text = self._tok.decode(ids, skip_special_tokens=True)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """Text of ``ids`` (called like transformers' ``decode``: ``nxdc.generation.text``
+        detokenizes with either)."""
+        text = self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
         return _clean_up(text) if self.clean_up_spaces else text
 
 
@@ -115,63 +118,3 @@ def _clean_up(text: str) -> str:
     for a, b in ((" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")):
         text = text.replace(a, b)
     return text
-
-
-class Detokenizer:
-    """Text of a growing list of token ids, a piece at a time: each ``add`` returns the text
-    the new token completes. Decodes a short window (from the token before the last emitted
-    text) so a step costs the same however long the output is, and a character split over
-    several tokens (bytes of UTF-8) is returned once it is whole."""
-
-    def __init__(self, tokenizer: TextTokenizer):
-        self.tok = tokenizer
-        self.ids: list[int] = []
-        self.prefix = 0  # window start: the text of ids[prefix:read] was emitted already
-        self.read = 0
-
-    def add(self, token: int) -> str:
-        self.ids.append(token)
-        before = self.tok.decode(self.ids[self.prefix : self.read])
-        now = self.tok.decode(self.ids[self.prefix :])
-        if len(now) > len(before) and not now.endswith("\ufffd"):
-            self.prefix, self.read = self.read, len(self.ids)
-            return now[len(before) :]
-        return ""
-
-    def flush(self) -> str:
-        """What is left at the end (an incomplete character as U+FFFD)."""
-        before = self.tok.decode(self.ids[self.prefix : self.read])
-        now = self.tok.decode(self.ids[self.prefix :])
-        self.prefix = self.read = len(self.ids)
-        return now[len(before) :] if len(now) > len(before) else ""
-
-
-class StopStrings:
-    """Holds back text that may be the start of a stop string, so that no part of one is ever
-    sent; ``feed`` returns the text that is now safe and whether a stop string was completed
-    (the text is then cut where it begins)."""
-
-    def __init__(self, stops: list[str]):
-        self.stops = [s for s in stops if s]
-        self.pending = ""
-
-    def feed(self, text: str) -> tuple[str, bool]:
-        if not self.stops:
-            return text, False
-        text = self.pending + text
-        hits = [i for s in self.stops if (i := text.find(s)) >= 0]
-        if hits:
-            self.pending = ""
-            return text[: min(hits)], True
-        hold = 0
-        for s in self.stops:
-            for k in range(min(len(s) - 1, len(text)), hold, -1):
-                if text.endswith(s[:k]):
-                    hold = k
-                    break
-        self.pending = text[len(text) - hold :]
-        return text[: len(text) - hold], False
-
-    def flush(self) -> str:
-        out, self.pending = self.pending, ""
-        return out

@@ -82,16 +82,8 @@ def prune(
             meta = None
         items.append((last_used(d, meta), entry_size(d), d))
     items.sort()
-    total = sum(s for _, s, _ in items)
-    doomed = []
-    for used, size, d in items:
-        too_old = older_than is not None and now - used > older_than
-        too_big = max_size is not None and total > max_size
-        if too_old or too_big:
-            doomed.append((used, size, d, "age" if too_old else "size"))
-            total -= size
     removed, busy = [], []
-    for used, size, d, why in doomed:
+    for used, size, d, why in _doomed(items, older_than, max_size, now):
         item = {
             "namespace": d.parent.name,
             "key": d.name,
@@ -111,6 +103,35 @@ def prune(
             finally:
                 lock.release()
         removed.append(item)
+    stale = _stale_temp_dirs(cache, now, dry_run)
+    kept = sum(s for _, s, _ in items) - sum(i["bytes"] for i in removed)
+    return {
+        "removed": removed,
+        "busy": busy,
+        "stale_temp_dirs": stale,
+        "bytes_kept": kept,
+        "dry_run": dry_run,
+    }
+
+
+def _doomed(
+    items: list[tuple[float, int, Path]], older_than: float | None, max_size: int | None, now: float
+) -> list[tuple[float, int, Path, str]]:
+    """The entries to remove, least recently used first: unused for ``older_than`` seconds, then
+    as many more as bring the store to ``max_size`` bytes."""
+    total = sum(s for _, s, _ in items)
+    doomed = []
+    for used, size, d in items:
+        too_old = older_than is not None and now - used > older_than
+        too_big = max_size is not None and total > max_size
+        if too_old or too_big:
+            doomed.append((used, size, d, "age" if too_old else "size"))
+            total -= size
+    return doomed
+
+
+def _stale_temp_dirs(cache: CompileCache, now: float, dry_run: bool) -> int:
+    """Temp dirs of writes, pulls and discards that a killed process left (older than an hour)."""
     stale = 0
     for d in cache.compile_dir.glob("*/.*"):
         if (
@@ -121,14 +142,7 @@ def prune(
             stale += 1
             if not dry_run:
                 shutil.rmtree(d, ignore_errors=True)
-    kept = sum(s for _, s, _ in items) - sum(i["bytes"] for i in removed)
-    return {
-        "removed": removed,
-        "busy": busy,
-        "stale_temp_dirs": stale,
-        "bytes_kept": kept,
-        "dry_run": dry_run,
-    }
+    return stale
 
 
 def list_local(cache: CompileCache, now: float | None = None) -> list[dict[str, Any]]:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from nxdc.cache.keys import digest, model_code_digest
-from nxdc.compile.backends import get_backend
+from nxdc.compile.backends.registry import get_backend
 from nxdc.compile.graph_keys import namespace
 from nxdc.errors import CacheError
 from nxdc.kernels import kernel_digest

@@ -30,60 +30,69 @@ class IndexedTensor:
     data: np.ndarray  # a memmap view, as GGUFReader's ``data``
 
 
-def read_index(path: Path) -> list[IndexedTensor]:
-    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
-    from gguf.quants import quant_shape_to_byte_shape
+class _Cursor:
+    """Reads GGUF's little-endian header fields in order."""
 
-    mm = np.memmap(path, dtype=np.uint8, mode="r")
-    buf = memoryview(mm)
-    pos = 0
+    def __init__(self, buf: memoryview, pos: int = 0):
+        self.buf, self.pos = buf, pos
 
-    def take(fmt: str):
-        nonlocal pos
-        v = struct.unpack_from("<" + fmt, buf, pos)
-        pos += struct.calcsize("<" + fmt)
+    def take(self, fmt: str):
+        v = struct.unpack_from("<" + fmt, self.buf, self.pos)
+        self.pos += struct.calcsize("<" + fmt)
         return v[0]
 
-    def string() -> bytes:
-        nonlocal pos
-        n = take("Q")
-        pos += n
-        return bytes(buf[pos - n : pos])
+    def string(self) -> bytes:
+        n = self.take("Q")
+        self.pos += n
+        return bytes(self.buf[self.pos - n : self.pos])
 
-    def skip(vtype: int) -> None:
-        nonlocal pos
+    def skip(self, vtype: int) -> None:
+        """Step over one metadata value of type ``vtype``."""
         if vtype == 8:
-            n = take("Q")  # (not `pos += take(...)`: that reads pos before take moves it)
-            pos += n
+            n = self.take("Q")  # (not `pos += take(...)`: that reads pos before take moves it)
+            self.pos += n
         elif vtype == 9:
-            itype, count = take("I"), take("Q")
+            itype, count = self.take("I"), self.take("Q")
             if itype in _SCALAR:
-                pos += struct.calcsize("<" + _SCALAR[itype]) * count
+                self.pos += struct.calcsize("<" + _SCALAR[itype]) * count
             else:
                 for _ in range(count):
-                    skip(itype)
+                    self.skip(itype)
         else:
-            pos += struct.calcsize("<" + _SCALAR[vtype])
+            self.pos += struct.calcsize("<" + _SCALAR[vtype])
 
-    if bytes(buf[:4]) != b"GGUF":
+
+def _tensor_infos(path: Path, c: _Cursor) -> tuple[list[tuple[str, list[int], int, int]], int]:
+    """Every tensor's (name, dims, type, offset) and where the tensor data starts."""
+    from gguf.constants import GGMLQuantizationType
+
+    if bytes(c.buf[:4]) != b"GGUF":
         raise ValueError(f"{path} is not a GGUF file")
-    pos = 4
-    version, n_tensors, n_kv = take("I"), take("Q"), take("Q")
+    c.pos = 4
+    version, n_tensors, n_kv = c.take("I"), c.take("Q"), c.take("Q")
     if version < 2:
         raise ValueError(f"{path}: GGUF version {version} is not supported")
     alignment = 32
     for _ in range(n_kv):
-        key, vtype = string(), take("I")
+        key, vtype = c.string(), c.take("I")
         if key == b"general.alignment" and vtype == 4:
-            alignment = take("I")
+            alignment = c.take("I")
         else:
-            skip(vtype)
+            c.skip(vtype)
     infos = []
     for _ in range(n_tensors):
-        name = string().decode()
-        dims = [take("Q") for _ in range(take("I"))]
-        infos.append((name, dims, GGMLQuantizationType(take("I")), take("Q")))
-    start = -(-pos // alignment) * alignment
+        name = c.string().decode()
+        dims = [c.take("Q") for _ in range(c.take("I"))]
+        infos.append((name, dims, GGMLQuantizationType(c.take("I")), c.take("Q")))
+    return infos, -(-c.pos // alignment) * alignment
+
+
+def read_index(path: Path) -> list[IndexedTensor]:
+    from gguf.constants import GGML_QUANT_SIZES
+    from gguf.quants import quant_shape_to_byte_shape
+
+    mm = np.memmap(path, dtype=np.uint8, mode="r")
+    infos, start = _tensor_infos(path, _Cursor(memoryview(mm)))
     out = []
     for name, dims, qtype, offset in infos:
         n_elems = int(np.prod(dims))

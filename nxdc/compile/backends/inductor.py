@@ -20,10 +20,10 @@ import torch
 
 from nxdc.buckets import Bucket
 from nxdc.cache.keys import source_digest
-from nxdc.compile.backends import Graph, GraphState, check_device
+from nxdc.compile.backends.base import Graph, GraphState
 from nxdc.compile.trace import fake_process_group, trace
-from nxdc.errors import ExportDirError, UserInputError
-from nxdc.kernels import cpu_isa
+from nxdc.errors import ExportDirError, UnsupportedError, UserInputError
+from nxdc.kernels import compiler, cpu_isa
 from nxdc.plan import ExportPlan
 
 ARTIFACT = "model.pt2"
@@ -49,6 +49,16 @@ def extra_configs() -> dict[str, Any]:
             f"NXDC_INDUCTOR_CONFIG: torch {torch.__version__} has no Inductor setting {unknown[0]!r}"
         )
     return extra
+
+
+def check_device(device: str) -> str:
+    if device == "cpu":
+        return device
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise UnsupportedError(f"--device {device}: no CUDA device is available on this machine")
+        return device
+    raise UserInputError(f"--device must be cpu or cuda[:N] (got {device!r})")
 
 
 class InductorBackend:
@@ -121,7 +131,7 @@ class CompiledGraph(Graph):
         self._runner = loaded.loader
         # functional KV writes (--kv-update functional): the graph returns new caches, copied
         # back into the buffers every graph was handed as constants
-        self._kv = [constants[n] for n in state.kv]
+        self._kv = [constants[n] for n in state.kv] if state.kv_update == "functional" else None
         # generation (sampling, speculation, stopping) works on host tensors: an accelerator's
         # logits come back to the CPU once per call (at batch 8, 1.5 MB for a 49k vocabulary)
         self._host = torch.device(device).type != "cpu"
@@ -131,8 +141,33 @@ class CompiledGraph(Graph):
         for buf, a in zip(self._inputs, arrays, strict=True):
             buf.copy_(a)
         outs = self._runner.boxed_run(list(self._inputs))
-        if len(outs) > 1:
+        if self._kv is not None:
             for buf, new in zip(self._kv, outs[1:], strict=True):
                 buf.copy_(new)
         out = outs[0]
         return out.cpu() if self._host else out
+
+
+def doctor() -> list[tuple[str, bool, str]]:
+    """``nxdc doctor``'s lines for this backend."""
+    cxx = compiler()
+    lines = [
+        (
+            "backend inductor/cpu",
+            cxx is not None,
+            f"torch.export + AOTInductor (the default), compiles with {cxx[0]}"
+            if cxx
+            else "no C++ compiler: exports only from a cache remote that holds every graph "
+            "(--require-cache); generate and serve run exports as they are",
+        )
+    ]
+    if torch.cuda.is_available():
+        names = ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
+        lines.append(("backend inductor/cuda", True, f"CUDA {torch.version.cuda}: {names}"))
+    else:
+        why = "torch is a CPU build" if torch.version.cuda is None else f"torch has CUDA {torch.version.cuda}"
+        lines.append(("backend inductor/cuda", False, f"no CUDA device ({why})"))
+    return lines
+
+
+create = InductorBackend  # the registry's entry point: create(device) -> Backend

@@ -37,7 +37,7 @@ from torch import nn
 
 from nxdc.buckets import Bucket
 from nxdc.cache.keys import source_digest
-from nxdc.compile.backends import Graph, GraphState
+from nxdc.compile.backends.base import Graph, GraphState
 from nxdc.compile.trace import graph_for, input_specs
 from nxdc.errors import UnsupportedError, UserInputError
 from nxdc.model.decoder import GRAPH_PREFIX, kv_cache_names, runtime_constants
@@ -411,3 +411,22 @@ class NeuronGraph(Graph):
         ]
         out = self._runtime.model(*args, model_name=self.name)
         return (out[0] if isinstance(out, (tuple, list)) else out).cpu()
+
+
+def doctor() -> list[tuple[str, bool, str]]:
+    """``nxdc doctor``'s lines for this backend."""
+    missing = missing_packages()
+    if missing:
+        return [("backend neuron", False, f"missing {', '.join(missing)}: {INSTALL}")]
+    versions = ", ".join(f"{p} {v}" for p, v in installed_versions().items())
+    return [
+        (
+            "backend neuron",
+            True,
+            f"Neuron SDK found ({versions}); export with --device {' | '.join(TARGETS)} "
+            "(this backend has never run: docs/neuron.md)",
+        )
+    ]
+
+
+create = NeuronBackend  # the registry's entry point: create(device) -> Backend

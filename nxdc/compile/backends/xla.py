@@ -15,6 +15,7 @@ own environment, ``.venv-xla`` (``make test-xla``, docs/backends.md)."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -26,7 +27,7 @@ import torch
 
 from nxdc.buckets import Bucket
 from nxdc.cache.keys import source_digest
-from nxdc.compile.backends import Graph, GraphState
+from nxdc.compile.backends.base import Graph, GraphState
 from nxdc.compile.trace import trace
 from nxdc.errors import UnsupportedError, UserInputError
 from nxdc.plan import ExportPlan
@@ -66,8 +67,6 @@ class XlaBackend:
     def build(self, model, bucket: Bucket, plan: ExportPlan, out_dir: Path) -> None:
         from torch_xla.stablehlo import StableHLOExportOptions, exported_program_to_stablehlo
 
-        if plan.kv_update != "functional":
-            raise UserInputError("--backend xla needs --kv-update functional")
         ep = trace(model, bucket, plan.batch_size, "cpu", plan.speculation_length)
         options = StableHLOExportOptions(include_human_readable_text=False, export_weights=False)
         program = exported_program_to_stablehlo(ep, options)
@@ -127,3 +126,28 @@ class XlaGraph(Graph):
         outs = self._module(*[a.to(torch.int64).contiguous().to(self._device) for a in arrays])
         self._state.update_kv(outs[1:])
         return outs[0].cpu()
+
+
+def validate(opts) -> None:
+    """Plan-time checks of the ExportOptions (the registry's ``check_options`` calls this)."""
+    if opts.tp > 1:
+        raise UnsupportedError(
+            "--backend xla runs on torch-xla's CPU client, one device: tensor parallelism (--tp "
+            f"{opts.tp}) is not supported there; use --tp 1, or --backend inductor for --tp > 1"
+        )
+    if opts.device != "cpu":
+        raise UserInputError(f"--backend xla runs on XLA:CPU: use --device cpu (got {opts.device!r})")
+
+
+def doctor() -> list[tuple[str, bool, str]]:
+    """``nxdc doctor``'s lines for this backend."""
+    if importlib.util.find_spec("torch_xla") is None:
+        return [("backend xla", False, f"torch-xla not installed (torch {torch.__version__}): {INSTALL}")]
+    try:
+        version = importlib.metadata.version("torch-xla")
+    except importlib.metadata.PackageNotFoundError:
+        version = "(version unknown)"
+    return [("backend xla", True, f"torch-xla {version}: --backend xla runs on XLA:CPU (tp 1)")]
+
+
+create = XlaBackend  # the registry's entry point: create(device) -> Backend

@@ -22,8 +22,9 @@ from nxdc.archs import get_arch, spec_from_config
 from nxdc.buckets import Bucket
 from nxdc.cache.keys import digest, sha256_file
 from nxdc.cache.store import CompileCache, entry_files
-from nxdc.compile.backends import get_backend
+from nxdc.compile.backends.registry import get_backend, host_device
 from nxdc.compile.graph_keys import key_parts, namespace
+from nxdc.compile.planning import make_plan
 from nxdc.compile.trace import (
     build_decoder,
     input_specs,
@@ -35,7 +36,6 @@ from nxdc.compile.trace import (
 )
 from nxdc.errors import UnsupportedError, UserInputError
 from nxdc.kernels import LIBRARY, kernel_digest, loaded_library
-from nxdc.kernels import status as kernel_status
 from nxdc.manifest import MANIFEST, Artifact, FileRef, Manifest
 from nxdc.model import weight_format
 from nxdc.model.dtypes import TORCH_DTYPES
@@ -43,7 +43,7 @@ from nxdc.model.fused import checkpoint_targets, combine, part_shape
 from nxdc.model.layers import Embedding, Linear
 from nxdc.model.quant import quantize_int4, quantize_int8
 from nxdc.model.sharding import expert_intermediate, shard_layout
-from nxdc.plan import ExportOptions, ExportPlan, kv_cache_bytes, make_plan, planned_spec
+from nxdc.plan import ExportOptions, ExportPlan, kv_cache_bytes, planned_spec
 from nxdc.progress import NullReporter, Reporter
 from nxdc.spec import ModelSpec
 from nxdc.sync.registry import record_export
@@ -64,23 +64,37 @@ class BucketResult:
 
 @dataclass
 class ExportResult:
-    out: Path
+    """What an export did (``nxdc.export``, ``run_export``; ``nxdc export --json`` prints
+    ``to_dict()``): the directory written, the model and plan it holds (as in its manifest),
+    each graph's cache hit or compile, the time and the peak memory it took."""
+
+    out: Path  # the export directory
     spec: ModelSpec
     plan: ExportPlan
     buckets: list[BucketResult] = field(default_factory=list)
     seconds: float = 0.0
     peak_rss_mib: float = 0.0  # this process's, or a compiler child's if larger (Linux: KiB units)
+    accuracy: dict[str, Any] | None = None  # check_accuracy: nxdc.accuracy.measure's report
+
+    @property
+    def cache_hits(self) -> int:
+        return sum(b.hit for b in self.buckets)
+
+    @property
+    def compiled(self) -> int:
+        return sum(not b.hit for b in self.buckets)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        d = {
             "out": str(self.out),
             "plan": self.plan.to_dict(),
             "buckets": [vars(b) for b in self.buckets],
-            "cache_hits": sum(b.hit for b in self.buckets),
-            "compiled": sum(not b.hit for b in self.buckets),
+            "cache_hits": self.cache_hits,
+            "compiled": self.compiled,
             "seconds": round(self.seconds, 2),
             "peak_rss_mib": round(self.peak_rss_mib, 1),
         }
+        return d if self.accuracy is None else {**d, "accuracy": self.accuracy}
 
 
 def prepare(
@@ -308,36 +322,14 @@ def run_export(
                 weights[f"rank{rank}"] = write_weights(src, spec, plan, rank, path)
         with rep.stage("kernels"):
             t_k = time.perf_counter()
-            kernels = kernel_digest() if wants_kernels(plan, cache) else None
+            loaded = wants_kernels(plan, cache)
+            kernels = kernel_digest() if loaded else None
             kernel_library = copy_kernel_library(tmp) if kernels else None
-            if kernels:
-                hit, why = bool(kernel_status.get("hit")), str(kernel_status.get("reason"))
-                rep.bucket_done("kernels", hit, why, time.perf_counter() - t_k)
-        decoder = None
-
-        def factory():
-            nonlocal decoder
-            if decoder is None:
-                decoder = build_decoder(spec, plan, kernels is not None)
-            return decoder
-
-        artifacts = {}
+            if loaded:
+                rep.bucket_done("kernels", loaded.hit, loaded.reason, time.perf_counter() - t_k)
         with rep.stage("compile", total=len(plan.buckets)):
-            for bucket in plan.buckets:
-                rep.bucket_start(bucket.name)
-                br, files = compile_bucket(cache, backend, spec, plan, bucket, kernels, factory, tmp)
-                rep.bucket_done(br.name, br.hit, br.reason, br.seconds)
-                result.buckets.append(br)
-                artifacts[bucket.name] = Artifact(
-                    files=files,
-                    key=br.key,
-                    inputs=tuple(input_specs(bucket, plan.batch_size, plan.speculation_length)),
-                )
+            artifacts = compile_graphs(cache, backend, spec, plan, kernels, tmp, rep, result.buckets)
         with rep.stage("write"):
-            (tmp / "config.json").write_text(json.dumps(cfg, indent=2, default=str))
-            src.save_tokenizer(tmp)
-            if src.kind == "hf" and (src.path / "generation_config.json").is_file():
-                shutil.copy2(src.path / "generation_config.json", tmp / "generation_config.json")
             manifest = Manifest(
                 nxdc_version=nxdc.__version__,
                 torch_version=torch.__version__,
@@ -351,8 +343,7 @@ def run_export(
                 idle_rows=True,
                 created=time.time(),
             )
-            # The manifest is written last: a directory without it is never taken as an export.
-            manifest.write(tmp)
+            _write_export(tmp, src, cfg, manifest)
             _publish(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -362,6 +353,50 @@ def run_export(
     usage = (resource.getrusage(who).ru_maxrss for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
     result.peak_rss_mib = max(usage) / 1024
     return result
+
+
+def compile_graphs(
+    cache: CompileCache,
+    backend,
+    spec: ModelSpec,
+    plan: ExportPlan,
+    kernels: str | None,
+    export_dir: Path,
+    rep: Reporter,
+    done: list[BucketResult],
+) -> dict[str, Artifact]:
+    """Every bucket's graph into ``export_dir`` (``compile_bucket``: a cache hit, or traced and
+    compiled from one decoder built on the first miss), reported and appended to ``done``."""
+    decoder = None
+
+    def factory():
+        nonlocal decoder
+        if decoder is None:
+            decoder = build_decoder(spec, plan, host_device(plan), kernels is not None)
+        return decoder
+
+    artifacts = {}
+    for bucket in plan.buckets:
+        rep.bucket_start(bucket.name)
+        br, files = compile_bucket(cache, backend, spec, plan, bucket, kernels, factory, export_dir)
+        rep.bucket_done(br.name, br.hit, br.reason, br.seconds)
+        done.append(br)
+        artifacts[bucket.name] = Artifact(
+            files=files,
+            key=br.key,
+            inputs=tuple(input_specs(bucket, plan.batch_size, plan.speculation_length)),
+        )
+    return artifacts
+
+
+def _write_export(tmp: Path, src: ModelSource, cfg: dict, manifest: Manifest) -> None:
+    """The config, tokenizer and generation config beside the weights and graphs, then the
+    manifest, last: a directory without it is never taken as an export."""
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=2, default=str))
+    src.save_tokenizer(tmp)
+    if src.kind == "hf" and (src.path / "generation_config.json").is_file():
+        shutil.copy2(src.path / "generation_config.json", tmp / "generation_config.json")
+    manifest.write(tmp)
 
 
 def _check_out_dir(out: Path) -> None:
