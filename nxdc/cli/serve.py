@@ -11,24 +11,41 @@ import typer
 from nxdc.cli.common import QUIET, VERBOSE, cli_errors
 from nxdc.errors import UserInputError
 
+# the longer option declarations of `serve`
+API_KEY = typer.Option(
+    None,
+    "--api-key",
+    envvar="NXDC_API_KEY",
+    help="Require 'Authorization: Bearer KEY' (not /health, /metrics).",
+)
+SERVED_MODEL_NAME = typer.Option(
+    None,
+    "--served-model-name",
+    help="The model id clients name. \\[default: the export directory's name]",
+)
+PREFILL_CHUNK = typer.Option(
+    None,
+    "--prefill-chunk",
+    help="Most prompt tokens per engine step. While streams decode, a step takes the largest chunk "
+    "graph that keeps it within 2 decode steps (measured). \\[default: the largest chunk graph <= 128]",
+)
+STEP_BUDGET = typer.Option(
+    None,
+    "--step-budget",
+    help="While streams decode, a step (decode + prefill chunk) may take up to this many decode "
+    "steps per request waiting for its first token; higher: faster prefill (TTFT, throughput), "
+    "lower: steadier streams; 0: no budget (--prefill-chunk every step). \\[default: 2]",
+)
+
 
 @cli_errors
 def serve(
     export_dir: Path = typer.Argument(..., help="Export directory with serving graphs (--chunk-buckets)."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to bind (0.0.0.0: every interface)."),
     port: int = typer.Option(8000, "--port"),
-    api_key: str = typer.Option(
-        None,
-        "--api-key",
-        envvar="NXDC_API_KEY",
-        help="Require 'Authorization: Bearer KEY' (not /health, /metrics).",
-    ),
+    api_key: str = API_KEY,
     api_key_file: Path = typer.Option(None, "--api-key-file", help="Read the API key from this file."),
-    served_model_name: str = typer.Option(
-        None,
-        "--served-model-name",
-        help="The model id clients name. \\[default: the export directory's name]",
-    ),
+    served_model_name: str = SERVED_MODEL_NAME,
     max_queue: int = typer.Option(64, "--max-queue", help="Running + queued requests before answering 429."),
     queue_timeout: float = typer.Option(
         None, "--queue-timeout", help="Seconds a request may wait for a batch row (then 503)."
@@ -36,19 +53,8 @@ def serve(
     request_timeout: float = typer.Option(
         None, "--request-timeout", help="Seconds a request may take in all."
     ),
-    prefill_chunk: int = typer.Option(
-        None,
-        "--prefill-chunk",
-        help="Most prompt tokens per engine step. While streams decode, a step takes the largest chunk "
-        "graph that keeps it within 2 decode steps (measured). \\[default: the largest chunk graph <= 128]",
-    ),
-    step_budget: float = typer.Option(
-        None,
-        "--step-budget",
-        help="While streams decode, a step (decode + prefill chunk) may take up to this many decode "
-        "steps per request waiting for its first token; higher: faster prefill (TTFT, throughput), "
-        "lower: steadier streams; 0: no budget (--prefill-chunk every step). \\[default: 2]",
-    ),
+    prefill_chunk: int = PREFILL_CHUNK,
+    step_budget: float = STEP_BUDGET,
     threads: int = typer.Option(
         None, "--threads", help="CPU threads of the engine. \\[default: cores available]"
     ),
@@ -60,19 +66,50 @@ def serve(
 ) -> None:
     """Serve an export over HTTP (OpenAI API: /v1/completions, /v1/chat/completions), batching requests
     as they arrive into the export's batch rows."""
-    import uvicorn
+    from nxdc.serve.app import ServeConfig
 
-    from nxdc.serve.app import ServeConfig, Server
+    api_key = _api_key(api_key, api_key_file)
+    _check_limits(
+        max_queue, threads, prefill_chunk, max_body_bytes, step_budget, queue_timeout, request_timeout
+    )
+    if not 0 <= port < 65536:
+        raise UserInputError(f"--port must be 0..65535 (got {port}; 0: any free port)")
+    sock = _listen(host, port)
+    cfg = ServeConfig(
+        export_dir=export_dir,
+        host=host,
+        port=sock.getsockname()[1],
+        name=served_model_name,
+        api_key=api_key,
+        max_queue=max_queue,
+        queue_timeout=queue_timeout,
+        request_timeout=request_timeout,
+        prefill_chunk=prefill_chunk,
+        step_budget=step_budget,
+        threads=threads,
+        max_body_bytes=max_body_bytes,
+        quiet=quiet,
+    )
+    _run(cfg, sock)
 
+
+def _api_key(api_key: str | None, api_key_file: Path | None) -> str | None:
     if api_key and api_key_file:
         raise UserInputError("give --api-key or --api-key-file, not both")
-    if api_key_file is not None:
-        try:
-            api_key = api_key_file.read_text().strip()
-        except OSError as e:
-            raise UserInputError(f"--api-key-file {api_key_file}: {e.strerror}") from None
-        if not api_key:
-            raise UserInputError(f"--api-key-file {api_key_file} is empty")
+    if api_key_file is None:
+        return api_key
+    try:
+        api_key = api_key_file.read_text().strip()
+    except OSError as e:
+        raise UserInputError(f"--api-key-file {api_key_file}: {e.strerror}") from None
+    if not api_key:
+        raise UserInputError(f"--api-key-file {api_key_file} is empty")
+    return api_key
+
+
+def _check_limits(
+    max_queue, threads, prefill_chunk, max_body_bytes, step_budget, queue_timeout, request_timeout
+):
     for name, value in (
         ("max-queue", max_queue),
         ("threads", threads),
@@ -86,25 +123,14 @@ def serve(
     for name, value in (("queue-timeout", queue_timeout), ("request-timeout", request_timeout)):
         if value is not None and value <= 0:
             raise UserInputError(f"--{name} must be a positive number of seconds (got {value})")
-    if not 0 <= port < 65536:
-        raise UserInputError(f"--port must be 0..65535 (got {port}; 0: any free port)")
-    sock = _listen(host, port)
-    port = sock.getsockname()[1]
-    cfg = ServeConfig(
-        export_dir=export_dir,
-        host=host,
-        port=port,
-        name=served_model_name,
-        api_key=api_key,
-        max_queue=max_queue,
-        queue_timeout=queue_timeout,
-        request_timeout=request_timeout,
-        prefill_chunk=prefill_chunk,
-        step_budget=step_budget,
-        threads=threads,
-        max_body_bytes=max_body_bytes,
-        quiet=quiet,
-    )
+
+
+def _run(cfg, sock: socket.socket) -> None:
+    """Serve until SIGTERM / Ctrl-C (or a fatal engine error, which becomes the exit status)."""
+    import uvicorn
+
+    from nxdc.serve.app import Server
+
     server = Server(cfg)  # checks the export
     uv = _uvicorn_server(
         uvicorn.Config(server.app, log_level="warning", access_log=False, lifespan="on"),

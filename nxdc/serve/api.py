@@ -146,6 +146,33 @@ def _flag(body: dict, name: str) -> bool:
     return v
 
 
+def _stops(body: dict) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        stop = ()
+    elif isinstance(stop, str):
+        stop = (stop,)
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        stop = tuple(stop)
+    else:
+        raise ApiError(400, "'stop' must be a string or a list of strings", "stop")
+    if len(stop) > MAX_STOPS:
+        raise ApiError(400, f"'stop' has {len(stop)} strings; at most {MAX_STOPS}", "stop")
+    for s in stop:
+        if len(_text(s, "stop")) > MAX_STOP_CHARS:
+            raise ApiError(400, f"a 'stop' string has {len(s)} characters; at most {MAX_STOP_CHARS}", "stop")
+    return stop
+
+
+def _include_usage(body: dict, stream: bool) -> bool:
+    options = body.get("stream_options")
+    if options is not None and (not isinstance(options, dict) or set(options) - {"include_usage"}):
+        raise ApiError(400, "'stream_options' takes only 'include_usage'", "stream_options")
+    if options is not None and not stream:
+        raise ApiError(400, "'stream_options' needs 'stream': true", "stream_options")
+    return bool((options or {}).get("include_usage"))
+
+
 def parse(body, chat: bool) -> Params:
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
@@ -169,27 +196,9 @@ def parse(body, chat: bool) -> Params:
         max_tokens = _number(body, "max_completion_tokens", max_tokens, 1, kind=int)
     elif max_tokens is None:
         max_tokens = 16  # the OpenAI completions default
-    stop = body.get("stop")
-    if stop is None:
-        stop = ()
-    elif isinstance(stop, str):
-        stop = (stop,)
-    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-        stop = tuple(stop)
-    else:
-        raise ApiError(400, "'stop' must be a string or a list of strings", "stop")
-    if len(stop) > MAX_STOPS:
-        raise ApiError(400, f"'stop' has {len(stop)} strings; at most {MAX_STOPS}", "stop")
-    for s in stop:
-        if len(_text(s, "stop")) > MAX_STOP_CHARS:
-            raise ApiError(400, f"a 'stop' string has {len(s)} characters; at most {MAX_STOP_CHARS}", "stop")
-    options = body.get("stream_options")
-    if options is not None and (not isinstance(options, dict) or set(options) - {"include_usage"}):
-        raise ApiError(400, "'stream_options' takes only 'include_usage'", "stream_options")
+    stop = _stops(body)
     stream = _flag(body, "stream")
-    include_usage = bool((options or {}).get("include_usage"))
-    if options is not None and not stream:
-        raise ApiError(400, "'stream_options' needs 'stream': true", "stream_options")
+    include_usage = _include_usage(body, stream)
     top_k = _number(body, "top_k", 0, -1, MAX_TOP_K, kind=int)
     seed = _number(body, "seed", None, *SEED_RANGE, kind=int)
     temperature = _number(body, "temperature", 1.0, 0.0, MAX_TEMPERATURE)
