@@ -3,6 +3,11 @@
     import nxdc
 
     result = nxdc.export("smollm2-135m", "out/smollm2", sequence_length=256)
+    with nxdc.load("out/smollm2") as llm:
+        print(llm.generate("Once upon a time", max_new_tokens=32)[0].text)
+
+``nxdc.NxdcModelForCausalLM.from_pretrained("out/smollm2")`` is the same export behind
+transformers' ``generate``. docs/python.md has an example of each entry point.
 
 The public names below load on first use (PEP 562), so ``import nxdc`` stays cheap: no torch
 until a public function is called."""
@@ -19,11 +24,19 @@ __version__ = "0.1.0"
 _PUBLIC = {
     "export": "nxdc.api.export",
     "ExportResult": "nxdc.pipeline",
+    "load": "nxdc.api.model",
+    "Model": "nxdc.api.model",
+    "Completion": "nxdc.api.model",
+    "NxdcModelForCausalLM": "nxdc.api.causal_lm",
 }
 
 __all__ = [
     "export",
     "ExportResult",
+    "load",
+    "Model",
+    "Completion",
+    "NxdcModelForCausalLM",
     "NxdcError",
     "UserInputError",
     "UnsupportedError",

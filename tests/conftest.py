@@ -67,6 +67,19 @@ def tiny_serve_export(tiny_gqa, cache_dir, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_tp2_export(tiny_gqa, cache_dir, tmp_path_factory) -> Path:
+    """The tiny GQA model at --tp 2, with test_tp.py's TINY_TP_EXPORT buckets (its graphs are
+    cache hits when test_tp.py has run)."""
+    from nxdc.pipeline import run_export
+    from nxdc.plan import ExportOptions
+
+    out = tmp_path_factory.mktemp("exports") / "tiny-tp2"
+    opts = ExportOptions(tp=2, batch_size=2, sequence_length=64, context_buckets=(16,), decode_buckets=(64,))
+    run_export(str(tiny_gqa), out, opts)
+    return out
+
+
+@pytest.fixture(scope="session")
 def tiny_mha_bf16_export(cache_dir, tmp_path_factory) -> tuple[Path, Path]:
     """MHA (4/4 heads), tied embeddings, exported in bf16."""
     from nxdc.pipeline import run_export

@@ -99,7 +99,9 @@ def smollm2_server(smollm2_serve_export, tmp_path_factory):
     yield from _server(smollm2_serve_export, "smollm2", tmp_path_factory.mktemp("logs"))
 
 
-def send(url: str, path: str, body, timeout: float = 60) -> httpx.Response:
+def send(url: str, path: str, body, timeout: float = 300) -> httpx.Response:
+    """POST ``body``; the timeout is a deadline for a hung server, generous for a loaded machine
+    (a 250-token answer beside other work on 2 cores took over 60 s in CI)."""
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
     return httpx.post(url + path, content=content, timeout=timeout)
 

@@ -9,7 +9,6 @@ import typer
 
 from nxdc.cli.common import JSON, QUIET, VERBOSE, cli_errors, err_console, print_json
 from nxdc.errors import UserInputError
-from nxdc.runtime.tokenizer import load_tokenizer
 
 
 @cli_errors
@@ -43,9 +42,10 @@ def generate(
 ) -> None:
     """Generate text from an export directory (no recompilation). Exports made with --tp N run
     N processes (started here; or by torchrun across machines)."""
-    from nxdc.generation.sampling import SamplingParams
+    import nxdc
+    from nxdc.api.model import GenerateOptions
     from nxdc.runtime.threads import parse_threads
-    from nxdc.runtime.workers import external_rank, follow, open_runner
+    from nxdc.runtime.workers import external_rank, follow
 
     prompts = list(prompt or [])
     if not prompts:
@@ -54,93 +54,47 @@ def generate(
         raise UserInputError("--stream takes a single --prompt")
     if threads is not None:
         parse_threads(threads)
-    sampling = SamplingParams(do_sample, temperature, top_k, top_p, seed).validate()
+    opts = GenerateOptions.pick(locals())  # the flags named as its fields, checked
     if external_rank():  # a non-zero rank started by torchrun: compute only, rank 0 prints
         follow(export_dir, threads or 1)
         return
-    if draft is not None and prompt_lookup is not None:
-        raise UserInputError("--draft and --prompt-lookup are two ways to draft: pick one")
-    if speculation_length is not None and draft is None and prompt_lookup is None:
-        raise UserInputError("--speculation-length needs --draft or --prompt-lookup")
-    runner = open_runner(export_dir, threads=threads)  # checks the manifest and versions first
-    try:
-        tokenizer = load_tokenizer(export_dir)
-        speculator = _speculator(runner, tokenizer, draft, prompt_lookup, speculation_length, threads)
-        _generate(
-            runner,
-            tokenizer,
-            prompts,
-            max_new_tokens,
-            sampling,
-            stop,
-            chat,
-            stream,
-            json_out,
-            quiet,
-            speculator,
-        )
-    finally:
-        runner.close()
+    with nxdc.load(export_dir, threads=threads) as llm:  # checks the manifest and versions first
+        if stream and not json_out:
+            done = _stream(llm, prompts[0], opts)
+        else:
+            done = llm.generate(prompts, **vars(opts))
+        _show(llm, done, json_out, quiet, stream)
 
 
-def _speculator(runner, tokenizer, draft, prompt_lookup, k, threads):
-    """The drafter the flags ask for (None: plain decoding)."""
-    from nxdc.generation.speculative import DraftModel, PromptLookup, Speculator
-
-    if draft is None and prompt_lookup is None:
-        return None
-    if draft is not None:
-        from nxdc.runtime.runner import Runner
-
-        if load_tokenizer(draft).get_vocab() != tokenizer.get_vocab():
-            raise UserInputError(f"the draft {draft} has a different tokenizer from the target")
-        drafter = DraftModel(Runner.load(draft, threads=threads), runner)
-    else:
-        drafter = PromptLookup(prompt_lookup)
-    return Speculator(drafter, k or runner.speculation_length or 1, runner)
-
-
-def _generate(
-    runner, tokenizer, prompts, max_new_tokens, sampling, stop, chat, stream, json_out, quiet, speculator
-):
-    from nxdc.generation.loop import generate as run
-
-    def on_text(t: str) -> None:
-        sys.stdout.write(t)
+def _stream(llm, prompt: str, opts) -> list:
+    pieces = llm.stream(prompt, **vars(opts))
+    for piece in pieces:
+        sys.stdout.write(piece)
         sys.stdout.flush()
+    sys.stdout.write("\n")
+    return [pieces.completion]
 
-    res = run(
-        runner,
-        tokenizer,
-        prompts,
-        max_new_tokens,
-        sampling,
-        list(stop or []),
-        chat,
-        on_text=on_text if stream and not json_out else None,
-        speculator=speculator,
-    )
+
+def _show(llm, done, json_out: bool, quiet: bool, streamed: bool) -> None:
     if json_out:
-        print_json(res.to_dict())
+        print_json({"results": [c.to_dict() for c in done], "stats": done[0].batch_stats})
         return
-    if stream:
-        sys.stdout.write("\n")
-    else:
-        for i, s in enumerate(res.sequences):
-            if len(res.sequences) > 1 and not quiet:
-                typer.echo(f"--- [{i}] {s.prompt!r}")
-            typer.echo(s.text)
+    if not streamed:
+        for i, c in enumerate(done):
+            if len(done) > 1 and not quiet:
+                typer.echo(f"--- [{i}] {c.prompt!r}")
+            typer.echo(c.text)
     if not quiet:
-        st = res.to_dict()["stats"]
+        st = done[0].batch_stats
         err_console.print(
             f"[dim]{st['new_tokens']} new tokens · TTFT {st['ttft_s'] * 1000:.0f} ms · "
-            f"decode {st['decode_tokens_per_s']:.1f} tok/s · {runner.threads} threads[/]"
+            f"decode {st['decode_tokens_per_s']:.1f} tok/s · {llm.threads} threads[/]"
         )
-        full = sum(s.stop_reason == "max_seq" for s in res.sequences)
+        full = sum(c.stop_reason == "max_seq" for c in done)
         if full:
-            which = "" if len(res.sequences) == 1 else f" ({full} of {len(res.sequences)} prompts)"
+            which = "" if len(done) == 1 else f" ({full} of {len(done)} prompts)"
             err_console.print(
-                f"[yellow]note:[/] stopped at the export's sequence length, {runner.max_seq} tokens "
+                f"[yellow]note:[/] stopped at the export's sequence length, {llm.sequence_length} tokens "
                 f"(prompt + new){which}; export with a larger --sequence-length for more",
                 soft_wrap=True,
             )

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 
 import torch
@@ -37,6 +37,9 @@ class GenerationResult:
     decode_steps: int = 0
     token_s: list[float] = field(default_factory=list)  # when each step's tokens were sampled, from start
     speculation: dict | None = None  # acceptance statistics of a speculative run
+    # per sequence (not in to_dict): when it finished, from start; the EOS token that ended it
+    finish_s: list[float] = field(default_factory=list)
+    eos_tokens: list[int | None] = field(default_factory=list)
 
     @property
     def inter_token_s(self) -> list[float]:
@@ -105,6 +108,8 @@ class Outputs:
             for i, n in enumerate(self.lengths)
         ]
         self.streamed = 0
+        self.finished_at: list[float | None] = [None] * len(ids)  # time.perf_counter()
+        self.ended_by: list[int | None] = [None] * len(ids)  # the EOS token, when one ended it
 
     @property
     def n(self) -> int:
@@ -134,7 +139,11 @@ class Outputs:
         if piece.text is not None:
             self.out[i].append(tok)
             self.texts[i] += piece.text
+        else:
+            self.ended_by[i] = tok
         self.texts[i] += piece.rest
+        if stream.finished:
+            self.finished_at[i] = time.perf_counter()
         return not stream.finished
 
     def flush(self) -> None:
@@ -171,7 +180,22 @@ def decode_step(runner, outs: Outputs, sampler: Sampler) -> None:
         outs.push(i, tok)
 
 
-def generate(
+def generate(*args, **kwargs) -> GenerationResult:
+    """Generate for up to ``runner.batch_size`` prompts at once: ``start``'s arguments, the
+    request run to its end."""
+    return drain(start(*args, **kwargs))
+
+
+def drain(steps: Generator[Outputs, None, GenerationResult]) -> GenerationResult:
+    """Run a generation's steps (``start``) to the end: its result."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
+def start(
     runner,
     tokenizer,
     prompts: list[str],
@@ -183,11 +207,14 @@ def generate(
     eos_ids: set[int] | None = None,
     prompt_ids: list[list[int]] | None = None,
     speculator=None,
-) -> GenerationResult:
+) -> Generator[Outputs, None, GenerationResult]:
     """Generate for up to ``runner.batch_size`` prompts at once (``runner``:
-    ``nxdc.runtime.runner.Runner``). ``on_text`` streams the
-    first sequence's new text as it is produced; ``speculator``
-    (``nxdc.generation.speculative.Speculator``) drafts several tokens per target call."""
+    ``nxdc.runtime.runner.Runner``), a step at a time. ``on_text`` streams the first sequence's
+    new text as it is produced; ``speculator`` (``nxdc.generation.speculative.Speculator``)
+    drafts several tokens per target call. The request is checked and encoded now; the generator
+    returned runs it, yielding the ``Outputs`` after the prefill and after each decode step
+    (``on_text`` has been given that step's text by then), and returns the ``GenerationResult``.
+    Closing it early leaves the runner ready for the next request."""
     if max_new_tokens < 1:
         raise UserInputError(f"--max-new-tokens must be >= 1 (got {max_new_tokens})")
     if len(prompts) > runner.batch_size:
@@ -199,17 +226,22 @@ def generate(
     eos = set(eos_ids) if eos_ids is not None else model_eos_ids(runner.spec.eos_token_ids, tokenizer)
     ids = prompt_ids if prompt_ids is not None else encode_prompts(tokenizer, prompts, chat)
     outs = Outputs(tokenizer, ids, max_new_tokens, runner.max_seq, eos, list(stop or []), on_text)
+    return _run(runner, outs, sampler, prompts, speculator)
+
+
+def _run(runner, outs: Outputs, sampler: Sampler, prompts, speculator):
     res = GenerationResult()
     t0 = time.perf_counter()
-    logits = runner.prefill(ids)
+    logits = runner.prefill(outs.ids)
     if speculator is not None:
-        speculator.start(ids)
+        speculator.start(outs.ids)
     for i, tok in enumerate(sampler(logits[: outs.n]).tolist()):
         outs.push(i, tok)
     res.ttft_s = time.perf_counter() - t0
     res.token_s.append(res.ttft_s)
     t_decode = time.perf_counter()
     outs.flush()
+    yield outs
     while not outs.done:
         if speculator is not None:
             speculator.step(runner, outs, sampler)
@@ -218,10 +250,13 @@ def generate(
         res.token_s.append(time.perf_counter() - t0)
         res.decode_steps += 1
         outs.flush()
+        yield outs
     end = time.perf_counter()
     res.decode_s = end - t_decode
     res.total_s = end - t0
     res.sequences = outs.results(prompts)
+    res.finish_s = [t - t0 for t in outs.finished_at]
+    res.eos_tokens = list(outs.ended_by)
     if speculator is not None:
         res.speculation = speculator.stats.to_dict()
     return res
