@@ -418,10 +418,14 @@ def main() -> None:
 
 def _meta(reports: list[dict], files: list) -> str:
     r = reports[0]
-    rounds = ", ".join(f"{s} {rep['rounds']}" for rep in reports for s in rep["results"])
+    rounds = ", ".join(
+        f"{s} {rep['rounds']} (read bandwidth {rep['read_bandwidth_gbs']} GB/s)"
+        for rep in reports
+        for s in rep["results"]
+    )
     return (
-        f"{r['cpu']}, {r['threads']} threads, read bandwidth {r['read_bandwidth_gbs']} GB/s; batch 1, "
-        f"prompt {r['prompt_length']}, {r['new_tokens']} new tokens; rounds alternated: {rounds}; "
+        f"{r['cpu']}, {r['threads']} threads; batch 1, prompt {r['prompt_length']}, {r['new_tokens']} new "
+        f"tokens; rounds alternated, per result file (a later file's rows replace an earlier's): {rounds}; "
         f"{r['llama_cpp_version']}. `bench/scale.py`; {', '.join(map(str, files))}."
     )
 

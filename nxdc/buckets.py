@@ -6,6 +6,9 @@ from dataclasses import dataclass
 
 from nxdc.errors import UserInputError
 
+# the kinds whose graphs take a prompt's tokens at once (prefill), not one token per sequence
+PROMPT_KINDS = ("context", "chunk")
+
 
 @dataclass(frozen=True)
 class Bucket:

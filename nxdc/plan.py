@@ -19,6 +19,10 @@ from nxdc.spec import ModelSpec
 DTYPES = ("fp32", "bf16")
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 KV_FORMATS = ("fp32", "fp16", "bf16")
+# How the prefill graphs multiply int4 and --dtype bf16 weights on CPUs with AMX (the first is
+# the default): on bf16 tiles (activations and weights rounded to bf16: model/layers.py
+# Linear._tiled, kernels/prefill.cpp), or with the decode kernels' exact fp32 products.
+PREFILL_MATMULS = ("tiles", "exact")
 # ExportOptions that hold a list of integers (comma-separated on the command line)
 LIST_OPTIONS = ("context_buckets", "decode_buckets", "chunk_buckets", "decode_batch_sizes")
 
@@ -49,6 +53,7 @@ class ExportOptions:
     backend: str = "inductor"
     kv_update: str | None = None  # in-place | functional (default: the backend's first, its RULES)
     device: str = "cpu"
+    prefill_matmul: str | None = None  # tiles | exact (default tiles): PREFILL_MATMULS
 
     @classmethod
     def fields(cls) -> set[str]:
@@ -69,6 +74,7 @@ class ExportPlan:
     weights: str | None = None  # canonical format name (model/weight_format.py); None: ``dtype``
     kv_cache: str | None = None  # None: stored in ``dtype``
     kv_update: str = "in-place"  # in-place (index_copy_ on the caches) | functional (graphs return them)
+    prefill_matmul: str = "exact"  # PREFILL_MATMULS; exports before it multiplied exactly
     weight_map: dict[str, str] | None = None  # weights "gguf": module -> format (model/weight_format.py)
 
     @property

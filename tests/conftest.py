@@ -105,6 +105,19 @@ def smollm2_export(cache_dir, tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def smollm2_exact_export(cache_dir, tmp_path_factory, smollm2_export) -> Path:
+    """``smollm2_export`` with ``--prefill-matmul exact``: its prompt graph multiplies in fp32 (the
+    decode graphs are the same cache entries)."""
+    from nxdc.pipeline import run_export
+    from nxdc.plan import ExportOptions
+
+    out = tmp_path_factory.mktemp("exports") / "smollm2-exact"
+    opts = ExportOptions(batch_size=1, sequence_length=128, context_buckets=(64,), prefill_matmul="exact")
+    run_export("smollm2-135m", out, opts)
+    return out
+
+
 SMOLLM2_SERVE_EXPORT = dict(
     batch_size=8, sequence_length=1024, context_buckets=(64,), decode_buckets=(1024,), chunk_buckets=(32, 256)
 )

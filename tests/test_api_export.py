@@ -41,6 +41,7 @@ EXPORT_FLAGS = [
     "--backend",
     "--kv-update",
     "--device",
+    "--prefill-matmul",
 ]
 COMMON = ["--cache-dir", "--json", "--quiet", "--verbose", "--help"]
 EXPECTED = {

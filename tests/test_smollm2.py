@@ -34,14 +34,28 @@ def test_gguf_weights_match_transformers(smollm2_reference):
     assert seen == 30 * 9 + 2  # 9 tensors per layer + embedding + final norm (lm_head tied)
 
 
-def test_logits_match_transformers(smollm2_export, smollm2_reference):
-    model, tok = smollm2_reference
-    sess = Runner.load(smollm2_export)
+def _logits_error(export, reference) -> tuple[float, bool]:
+    """Max |logit difference| from transformers over a chat prompt's prefill and 5 decode steps,
+    and whether every position's top-1 token agrees."""
+    model, tok = reference
+    sess = Runner.load(export)
     ids = torch.tensor([encode_prompts(tok, [PROMPTS[0]], chat=True)[0] + [504, 3458, 282, 4649, 314]])
     n = ids.shape[1] - 5
-    err = max_error(reference_logits(model, ids), nxdc_logits(sess.prefill, sess.decode, ids, [n]), [n])
-    # fp32, 30 layers, logits of magnitude ~20: same math, different summation order
-    assert err < 2e-3, err
+    ref, got = reference_logits(model, ids), nxdc_logits(sess.prefill, sess.decode, ids, [n])
+    return max_error(ref, got, [n]), torch.equal(ref[0, n - 1 :].argmax(-1), got[0].argmax(-1))
+
+
+def test_logits_match_transformers(smollm2_exact_export, smollm2_reference):
+    err, top1 = _logits_error(smollm2_exact_export, smollm2_reference)
+    # fp32 products, 30 layers, logits of magnitude ~20: same math, different summation order
+    assert err < 2e-3 and top1, err
+
+
+def test_logits_on_prefill_tiles_within_bf16_budget(smollm2_export, smollm2_reference):
+    """The default export's prompt graph rounds activations and int4 weights to bf16 (AMX CPUs):
+    measured 0.24 on logits of magnitude ~20; the budget is 0.5, and every top-1 must agree."""
+    err, top1 = _logits_error(smollm2_export, smollm2_reference)
+    assert err < 0.5 and top1, err
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)

@@ -30,7 +30,10 @@ TINY_DEGREES = {2: "split", 3: "pad", 4: "replicate"}
 TINY_TP_EXPORT = dict(batch_size=2, sequence_length=64, context_buckets=(16,), decode_buckets=(64,))
 SMOLLM2_EXPORT = dict(batch_size=1, sequence_length=128, context_buckets=(64,))
 TINY_TOL = 1e-4  # fp32, 2 layers: only the order of the partial sums differs
-SMOLLM2_TOL = 2e-3  # fp32, 30 layers, logits ~20 (same bound as tp 1 vs transformers)
+# 30 layers, logits ~20, the default export (same bound as tp 1 vs transformers): its prompt graph
+# rounds activations to bf16 (AMX tiles), so partial sums in another order can round another way;
+# layout bugs move logits by far more. Exact sharding math: the tiny tp tests (TINY_TOL).
+SMOLLM2_TOL = 0.5
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +142,7 @@ def test_smollm2_logits_and_greedy_equal_tp1(tp, smollm2_export, tp_exports):
     try:
         got = nxdc_logits(sess.prefill, sess.decode, ids, [n])[0]
         err = (want - got).abs().max().item()
-        assert err < SMOLLM2_TOL, err
+        assert err < SMOLLM2_TOL and torch.equal(want.argmax(-1), got.argmax(-1)), err
         for prompt in PROMPTS:
             plain = generate(base, tok, [prompt], max_new_tokens=32, chat=True, eos_ids=set())
             sharded = generate(sess, tok, [prompt], max_new_tokens=32, chat=True, eos_ids=set())

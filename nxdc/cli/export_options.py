@@ -13,7 +13,7 @@ import typer
 
 from nxdc.api.export import with_export_options
 from nxdc.compile.backends.registry import help_text
-from nxdc.plan import DEFAULT_SEQUENCE_LENGTH, DTYPES, KV_FORMATS, LIST_OPTIONS
+from nxdc.plan import DEFAULT_SEQUENCE_LENGTH, DTYPES, KV_FORMATS, LIST_OPTIONS, PREFILL_MATMULS
 
 BACKEND_HELP = help_text()
 
@@ -56,6 +56,12 @@ FLAGS = {
     "backend": Flag(BACKEND_HELP["backend"]),
     "kv_update": Flag(BACKEND_HELP["kv_update"], "the backend's first"),
     "device": Flag(BACKEND_HELP["device"]),
+    "prefill_matmul": Flag(
+        f"{' | '.join(PREFILL_MATMULS)}: how prompt graphs multiply int4 and --dtype bf16 weights on CPUs "
+        "with AMX. tiles: bf16 tiles, activations rounded to bf16 (prompts 3-6x faster); exact: fp32 "
+        "products as decode has them (docs/weights.md).",
+        PREFILL_MATMULS[0],
+    ),
 }
 
 

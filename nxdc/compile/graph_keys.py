@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from nxdc.buckets import Bucket
+from nxdc.buckets import PROMPT_KINDS, Bucket
 from nxdc.cache.keys import canonical, digest, model_code_digest
 from nxdc.compile.trace import kernels_apply
 from nxdc.kernels import kernel_digest, kernel_entry
@@ -32,6 +32,12 @@ def key_parts(
         **({"weight_map": plan.weight_map} if plan.weight_map else {}),
         **({"kv_cache": plan.kv_cache} if plan.kv_cache else {}),
         **({"kv_update": plan.kv_update} if plan.kv_update != "in-place" else {}),  # keys as before
+        # only prompt graphs multiply on tiles: decode / verify graphs are shared by both settings
+        **(
+            {"prefill_matmul": plan.prefill_matmul}
+            if bucket.kind in PROMPT_KINDS and plan.prefill_matmul != "exact"
+            else {}
+        ),
         "tp": plan.tp,
         **({"speculation_length": plan.speculation_length} if bucket.kind == "verify" else {}),
         "code": model_code_digest(),

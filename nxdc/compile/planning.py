@@ -19,6 +19,7 @@ from nxdc.model.sharding import check_tp, shard_layout
 from nxdc.plan import (
     DEFAULT_SEQUENCE_LENGTH,
     DTYPES,
+    PREFILL_MATMULS,
     ExportOptions,
     ExportPlan,
     planned_spec,
@@ -30,6 +31,13 @@ from nxdc.spec import ModelSpec
 def _positive(name: str, value: int) -> None:
     if not isinstance(value, int) or value < 1:
         raise UserInputError(f"--{name.replace('_', '-')} must be a positive integer (got {value!r})")
+
+
+def _prefill_matmul(opts: ExportOptions) -> str:
+    value = opts.prefill_matmul or PREFILL_MATMULS[0]
+    if value not in PREFILL_MATMULS:
+        raise UserInputError(f"--prefill-matmul must be one of {', '.join(PREFILL_MATMULS)} (got {value!r})")
+    return value
 
 
 def make_plan(spec: ModelSpec, opts: ExportOptions) -> ExportPlan:
@@ -75,6 +83,7 @@ def make_plan(spec: ModelSpec, opts: ExportOptions) -> ExportPlan:
         kv_cache=stored_kv_cache(opts.kv_cache, weights, opts.dtype),
         source_num_layers=spec.num_layers if opts.num_layers else None,
         kv_update=kv_update,
+        prefill_matmul=_prefill_matmul(opts),
     )
 
 

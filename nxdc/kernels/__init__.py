@@ -12,6 +12,11 @@ sgemv on our CI machine); faster than MKL's sgemm at prefill too (AVX-512).
 ``nxdc::swiglu(x, w, scale=None, min=None)`` (``linear.cpp``): an MLP's gate and up matvecs (``w`` stacks
 them, any of those formats) and ``silu(gate) * up`` in one call, each thread on its own columns.
 
+``nxdc::prefill_linear`` / ``prefill_swiglu`` (``prefill.cpp``, same arguments): what the prefill
+graphs call instead. bfloat16 / int8 / int4 weights run on AMX bf16 tiles through PyTorch's
+oneDNN brgemm, activations and weights rounded to bf16, fp32 accumulation; other formats, CPUs
+without AMX and calls under 16 rows take the ops above.
+
 ``nxdc::attend(q, k_cache, v_cache, positions)`` (``attention.cpp``): prefill, decode and verify
 attention over the static KV cache, reading only the slots each query row attends to.
 
@@ -48,9 +53,11 @@ from nxdc.errors import CacheError, ExportDirError
 
 log = logging.getLogger(__name__)
 # every C++ source compiled into the one library; all of them go into the digest
-SOURCES = [Path(__file__).with_name(f) for f in ("linear.cpp", "attention.cpp")]
+SOURCES = [Path(__file__).with_name(f) for f in ("linear.cpp", "prefill.cpp", "attention.cpp")]
 HEADERS = [Path(__file__).with_name("vexp.h")]  # included by the sources: in the digest too
-CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
+# -ffp-contract=off: a product and a sum written apart stay apart (never one FMA), so a dequantised
+# weight q * s + m has the bits of the reference's (model/quant.py) and gguf's
+CFLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"]
 
 
 def cpu_isa() -> str:
@@ -279,6 +286,10 @@ def _linear_fake(x, w, scale=None, min=None):  # x fp32 [M, K], w [N, K] -> out 
     return x.new_empty((x.shape[0], w.shape[0]))
 
 
+def _swiglu_fake(x, w, scale=None, min=None):  # w = [gate; up] [2I, K] -> out fp32 [M, I]
+    return x.new_empty((x.shape[0], w.shape[0] // 2))
+
+
 # Shape functions for torch.export, one per op. An export made by an older nxdc carries a library
 # without the newer ops (``generate`` loads that copy), so only the ops it defines get one.
 _FAKES = {
@@ -290,7 +301,9 @@ _FAKES = {
     "linear_bf16": _linear_fake,
     "linear_i8": _linear_fake,  # scale fp32 [N] (per row) or [N, K // G] (per group of G inputs)
     "linear_i4": _linear_fake,  # w uint8 [N, K // 2]
-    "swiglu": lambda x, w, scale=None, min=None: x.new_empty((x.shape[0], w.shape[0] // 2)),  # w = [gate; up]
+    "swiglu": _swiglu_fake,
+    "prefill_linear": _linear_fake,  # any of those weight formats
+    "prefill_swiglu": _swiglu_fake,
 }
 
 

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from nxdc.model.attention import Attention
-from nxdc.model.layers import MLP, Embedding, Linear, RMSNorm, rope_tables
+from nxdc.model.layers import MLP, Embedding, Linear, RMSNorm, prefill_matmuls, rope_tables
 from nxdc.model.moe import MoE
 from nxdc.model.parallel import all_gather_last, all_reduce
 from nxdc.model.sharding import VOCAB_ROWS, ShardLayout, shard_layout
@@ -89,7 +89,8 @@ class Decoder(nn.Module):
     Modes, fixed at construction: ``kernels`` routes linear layers and attention to nxdc's CPU
     kernels (decided at export: ``compile/trace.py``); ``kv_update`` ``"functional"`` writes the
     KV caches out of place and re-assigns them (graphs wrapped in ``FunctionalKV`` return them),
-    ``"in-place"`` writes them with ``index_copy_``."""
+    ``"in-place"`` writes them with ``index_copy_``; ``prefill_tiles`` lets the prefill graphs'
+    linear layers multiply on bf16 tiles where their numerics allow (``prefill_matmuls``)."""
 
     KV_UPDATES = ("in-place", "functional")
 
@@ -106,11 +107,12 @@ class Decoder(nn.Module):
         weight_map: dict[str, str] | None = None,  # weights "gguf": each module's format
         kernels: bool = False,
         kv_update: str = "in-place",
+        prefill_tiles: bool = False,
     ):
         super().__init__()
         if kv_update not in self.KV_UPDATES:
             raise ValueError(f"kv_update must be one of {self.KV_UPDATES} (got {kv_update!r})")
-        self.kernels, self.kv_update = kernels, kv_update
+        self.kernels, self.kv_update, self.prefill_tiles = kernels, kv_update, prefill_tiles
         layout = layout or shard_layout(spec, 1)
         self.spec, self.batch, self.max_seq, self.tp, self.layout = spec, batch, max_seq, layout.tp, layout
         self.embed_tokens = Embedding(spec.vocab_size, spec.hidden_size, dtype, device)
@@ -214,7 +216,8 @@ class ContextEncoding(nn.Module):
         pos = torch.arange(t, device=input_ids.device)
         positions = pos.unsqueeze(0).expand(bsz, t)
         mask = (pos.view(1, t) <= pos.view(t, 1)).view(1, 1, t, t)
-        return self.model(input_ids, positions, mask, None, last_index)
+        with prefill_matmuls(self.model.prefill_tiles):
+            return self.model(input_ids, positions, mask, None, last_index)
 
 
 class TokenGeneration(nn.Module):
@@ -284,4 +287,5 @@ class RowPrefill(nn.Module):
         positions = torch.where(positions < s, positions, positions - n)
         slots = torch.arange(s, device=input_ids.device)
         mask = (slots.view(1, 1, -1) <= positions.unsqueeze(-1)).unsqueeze(1)  # [1, 1, n, S]
-        return self.model(input_ids, positions, mask, s, last_index, rows=rows, keep=keep)
+        with prefill_matmuls(self.model.prefill_tiles):
+            return self.model(input_ids, positions, mask, s, last_index, rows=rows, keep=keep)

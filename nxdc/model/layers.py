@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 
 import torch
@@ -37,6 +39,20 @@ DTYPE_OPS = {torch.float32: "linear_f32", torch.float16: "linear_f16", torch.bfl
 # Activations the kernels take: fp32 as they are; fp16 / bf16 (``--dtype``) converted to fp32 on
 # the way in and rounded back on the way out, as transformers' fp32-accumulating matmul rounds.
 KERNEL_DTYPES = frozenset(DTYPE_OPS)
+_PREFILL = contextvars.ContextVar("nxdc_prefill", default=False)
+
+
+@contextlib.contextmanager
+def prefill_matmuls(tiles: bool = True):
+    """With ``tiles``, kernel Linears whose numerics bf16 tiles keep (``Linear._tiled``) call the
+    prefill ops within it (a whole prompt at once: compute-bound; kernels/prefill.cpp). The
+    prefill graphs trace their forward inside it (``tiles``: the plan's ``--prefill-matmul``);
+    decode and verify stay on the streaming ops, whose rows have the same bits at any M."""
+    token = _PREFILL.set(tiles)
+    try:
+        yield
+    finally:
+        _PREFILL.reset(token)
 
 
 def quant_params(module: nn.Module) -> tuple[torch.Tensor, ...]:
@@ -109,7 +125,10 @@ class Linear(nn.Module):
         k = x.shape[-1]
         x2 = x.reshape(x.numel() // k, k)
         if self.kernels and x.dtype in KERNEL_DTYPES:
-            op = LOWP_OPS[self.stored] if self.stored is not None else DTYPE_OPS[self.weight.dtype]
+            if self._tiled(x.dtype):
+                op = "prefill_linear"
+            else:
+                op = LOWP_OPS[self.stored] if self.stored is not None else DTYPE_OPS[self.weight.dtype]
             y = getattr(torch.ops.nxdc, op)(x2.float(), self.weight, *self._quant()).to(x.dtype)
         elif self.stored is not None:
             y = F.linear(x2, self._dequantized(x.dtype))
@@ -125,10 +144,25 @@ class Linear(nn.Module):
         PyTorch's SiLU on the halves."""
         if self.kernels and self.bias is None and x.dtype in KERNEL_DTYPES:
             k = x.shape[-1]
-            y = torch.ops.nxdc.swiglu(x.reshape(-1, k).float(), self.weight, *self._quant()).to(x.dtype)
+            op = torch.ops.nxdc.prefill_swiglu if self._tiled(x.dtype) else torch.ops.nxdc.swiglu
+            y = op(x.reshape(-1, k).float(), self.weight, *self._quant()).to(x.dtype)
             return y.view(*x.shape[:-1], y.shape[-1])
         gate, up = self(x).chunk(2, dim=-1)
         return F.silu(gate) * up
+
+    def _tiled(self, dtype: torch.dtype) -> bool:
+        """Whether this call, in a prefill graph, takes the bf16 tiles (activations and weights
+        rounded to bf16, 0.2%): int4 weights (16 levels), int8 with a min per group (only a GGUF
+        K-quant's 5-6-bit tensors load so: Q5_K, Q6_K), and ``--dtype bf16``, whose activations and
+        weights are bf16 already. ``--weights int8`` (and a kept Q8_0), fp16 and ``--weights bf16``
+        keep their exact fp32 products: bf16 rounding there moved SmolLM2 int8's prefill logits by
+        0.13 (the compiled-vs-eager budget is 2e-3), and their prefill already beats llama.cpp's
+        (docs/performance.md)."""
+        if not _PREFILL.get():
+            return False
+        if self.fmt is not None:
+            return self.fmt.kind == "int4" or (self.fmt.kind == "int8" and self.fmt.asym)
+        return self.weight.dtype == dtype == torch.bfloat16
 
     def _quant(self) -> tuple[torch.Tensor, ...]:
         return quant_params(self) if self.fmt is not None and self.fmt.quantized else ()

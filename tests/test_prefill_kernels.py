@@ -1,0 +1,237 @@
+"""The prefill graphs' linear ops (``nxdc::prefill_linear`` / ``prefill_swiglu``,
+kernels/prefill.cpp): on a CPU with AMX they equal an fp64 matmul of the bf16-rounded
+activations and bf16-rounded dequantised weights up to fp32 accumulation rounding (same bound as
+tests/test_kernels.py), for tail tiles in N, several K blocks and M past one micro-kernel call;
+rows do not depend on the rows beside them; other formats, CPUs and small M give the exact ops'
+bits; only the prefill graphs call them. Also: the dequantised weights the kernels multiply by
+are the reference's bits (no FMA contraction of q * s + m)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from nxdc.kernels import cpu_supported, ensure_loaded
+from nxdc.model.layers import Linear, prefill_matmuls
+from nxdc.model.quant import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
+
+pytestmark = pytest.mark.skipif(not cpu_supported(), reason="CPU without AVX2/FMA: kernels are not used")
+
+
+def _flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    return set(line.split(":", 1)[-1].split())
+
+
+# the tile path's conditions: AMX (oneDNN's micro-kernel packs bf16 only there), not turned off
+TILES = (
+    {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "amx_bf16", "amx_tile"} <= _flags()
+    and not os.environ.get("ONEDNN_MAX_CPU_ISA")
+    and os.environ.get("NXDC_PREFILL_TILES") != "0"
+    and os.environ.get("NXDC_KERNELS_AVX2") in (None, "", "0")
+)
+NO_TILES = "CPU without AMX: prefill takes the exact kernels"
+FORMATS = ["bf16", "i8", "i8g32", "i8min", "i4", "i4asym", "i4g64"]
+GROUP = {"i8g32": 32, "i8min": 16, "i4": 32, "i4asym": 32, "i4g64": 64}
+# (N, K): a partial last tile of 64 rows, K in 5 blocks of 832 (4160 = 5 x 832), SmolLM2's K
+SHAPES = [(70, 192), (200, 4160), (17, 576), (64, 2048)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _loaded():
+    assert ensure_loaded()
+
+
+def make(fmt: str, w: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """(op arguments after x, the fp32 dequantised weight)."""
+    if fmt == "bf16":
+        wq = w.to(torch.bfloat16)
+        return (wq,), wq.float()
+    if fmt.startswith("i4"):
+        p, s, m = quantize_int4(w, GROUP[fmt], asymmetric=fmt == "i4asym")
+        return ((p, s) if m is None else (p, s, m)), dequantize_int4(p, s, m)
+    q, s = quantize_int8(w, GROUP.get(fmt))
+    if fmt == "i8min":
+        m = torch.randn_like(s) * s
+        return (q, s, m), dequantize_int8(q, s, m)
+    return (q, s), dequantize_int8(q, s)
+
+
+def exact(fmt: str):
+    ops = torch.ops.nxdc
+    return ops.linear_bf16 if fmt == "bf16" else ops.linear_i4 if fmt.startswith("i4") else ops.linear_i8
+
+
+def check(got: torch.Tensor, x: torch.Tensor, wd: torch.Tensor) -> None:
+    """|got - ref| <= 1e-6 sqrt(K) (|x| @ |w|^T), ref the fp64 product of the bf16-rounded operands."""
+    xb, wb = x.bfloat16().double(), wd.bfloat16().double()
+    ref = xb @ wb.t()
+    bound = 1e-6 * x.shape[1] ** 0.5 * (xb.abs() @ wb.abs().t()) + 1e-30
+    err = (got.double() - ref).abs()
+    assert bool((err <= bound).all()), f"max err/bound {(err / bound).max().item():.3g}"
+
+
+@pytest.mark.skipif(not TILES, reason=NO_TILES)
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("n, k", SHAPES)
+@pytest.mark.parametrize("rows", [16, 130])
+def test_tiles_match_bf16_reference(fmt, n, k, rows):
+    torch.manual_seed(rows * 7 + n * 31 + k)
+    x, w = torch.randn(rows, k), torch.randn(n, k)
+    args, wd = make(fmt, w)
+    got = torch.ops.nxdc.prefill_linear(x, *args)
+    assert got.shape == (rows, n) and got.dtype == torch.float32
+    check(got, x, wd)
+    if n % 2 == 0:
+        sw = torch.ops.nxdc.prefill_swiglu(x, *args)
+        gate, up = torch.ops.nxdc.prefill_linear(x, *args).chunk(2, dim=1)
+        torch.testing.assert_close(sw, torch.nn.functional.silu(gate) * up, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.skipif(not TILES, reason=NO_TILES)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_tile_rows_do_not_depend_on_the_rows_beside_them(fmt):
+    torch.manual_seed(3)
+    x, w = torch.randn(130, 832), torch.randn(96, 832)
+    args, _ = make(fmt, w)
+    full = torch.ops.nxdc.prefill_linear(x, *args)
+    assert torch.equal(torch.ops.nxdc.prefill_linear(x[100:116].contiguous(), *args), full[100:116])
+    assert torch.equal(torch.ops.nxdc.prefill_linear(x[:16].contiguous(), *args), full[:16])
+
+
+@pytest.mark.skipif(not TILES, reason=NO_TILES)
+def test_tiles_are_taken_where_the_cpu_has_them():
+    """bf16-rounded activations: the tile path's result differs from the exact kernel's."""
+    torch.manual_seed(7)
+    x, w = torch.randn(16, 64), torch.randn(8, 64).bfloat16()
+    got = torch.ops.nxdc.prefill_linear(x, w)
+    assert not torch.equal(got, torch.ops.nxdc.linear_bf16(x, w))
+    check(got, x, w.float())
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_few_rows_take_the_exact_kernels(fmt):
+    torch.manual_seed(4)
+    x, w = torch.randn(15, 192), torch.randn(40, 192)
+    args, _ = make(fmt, w)
+    assert torch.equal(torch.ops.nxdc.prefill_linear(x, *args), exact(fmt)(x, *args))
+    assert torch.equal(torch.ops.nxdc.prefill_swiglu(x, *args), torch.ops.nxdc.swiglu(x, *args))
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "i8"])
+def test_empty_sizes_as_the_exact_kernels(fmt):
+    ops = torch.ops.nxdc
+    for m, n, k in [(32, 8, 0), (32, 0, 64), (0, 8, 64)]:
+        w = torch.zeros(n, k, dtype=torch.bfloat16 if fmt == "bf16" else torch.int8)
+        extra = () if fmt == "bf16" else (torch.ones(n),)
+        got = ops.prefill_linear(torch.randn(m, k), w, *extra)
+        assert got.shape == (m, n) and bool((got == 0).all())
+
+
+def test_fp32_and_fp16_weights_take_the_exact_kernels():
+    torch.manual_seed(5)
+    x, w = torch.randn(40, 96), torch.randn(24, 96)
+    ops = torch.ops.nxdc
+    assert torch.equal(ops.prefill_linear(x, w), ops.linear_f32(x, w))
+    assert torch.equal(ops.prefill_linear(x, w.half()), ops.linear_f16(x, w.half()))
+    assert torch.equal(ops.prefill_swiglu(x, w), ops.swiglu(x, w))
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ((torch.randn(32, 64), torch.zeros(8, 64, dtype=torch.int8)), "int8 weights take a scale"),
+        ((torch.randn(32, 64), torch.zeros(8, 32, dtype=torch.bfloat16)), "x has K=64 but w has K=32"),
+        ((torch.randn(32, 64), torch.zeros(8, 32, dtype=torch.uint8), torch.ones(8)), "need group scales"),
+    ],
+)
+def test_bad_arguments_raise_the_exact_ops_errors(args, message):
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.nxdc.prefill_linear(*args)
+
+
+def _traced(lin: Linear, x: torch.Tensor, prefill: bool) -> str:
+    if not prefill:
+        return torch.export.export(lin, (x,), strict=False).graph_module.code
+    with prefill_matmuls():
+        return torch.export.export(lin, (x,), strict=False).graph_module.code
+
+
+@pytest.mark.parametrize(
+    "dtype, stored, tiled",
+    [
+        (torch.float32, "int4-asym-g32", True),
+        (torch.float32, "int4-sym-g64", True),
+        (torch.bfloat16, None, True),  # --dtype bf16
+        (torch.float32, None, False),
+        (torch.float32, "bf16", False),  # --weights bf16: fp32 activations stay exact
+        (torch.float32, "int8-g32", False),
+        (torch.float32, "int8-asym-g16", True),  # a kept Q6_K / Q5_K
+        (torch.float32, "fp16", False),
+    ],
+)
+def test_only_prefill_graphs_call_the_tile_ops(dtype, stored, tiled):
+    lin = Linear(64, 32, bias=False, dtype=dtype, kernels=True)
+    torch.nn.init.normal_(lin.weight)
+    if stored:
+        lin.store_as(stored)
+    x = torch.randn(2, 20, 64, dtype=dtype)
+    assert ("nxdc.prefill_linear" in _traced(lin, x, prefill=True)) == tiled
+    assert "nxdc.prefill_linear" not in _traced(lin, x, prefill=False)
+
+
+@pytest.mark.parametrize("fmt", ["i8min", "i4asym"])
+def test_kernels_multiply_by_the_reference_dequantisation(fmt):
+    """x = I reads the weights back: q * s + m rounded twice, as the reference does (a contracted
+    FMA rounds once and differs in ~25% of the weights)."""
+    torch.manual_seed(6)
+    k = 256
+    args, wd = make(fmt, torch.randn(48, k))
+    eye = torch.eye(k)
+    assert torch.equal(exact(fmt)(eye, *args).t(), wd)
+    if TILES:
+        assert torch.equal(torch.ops.nxdc.prefill_linear(eye, *args).t(), wd.bfloat16().float())
+
+
+def test_prefill_matmul_option_keys_only_the_prompt_graphs(tiny_gqa, tmp_path):
+    """``--prefill-matmul``: tiles by default, exact on request, anything else refused in one
+    line; it names the prompt graphs' cache entries only, so an exact export reuses the decode
+    graphs of a tiles one."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from nxdc.archs import spec_from_config
+    from nxdc.buckets import Bucket
+    from nxdc.cli.main import app
+    from nxdc.compile.backends.registry import get_backend
+    from nxdc.compile.graph_keys import key_parts
+    from nxdc.compile.planning import make_plan
+    from nxdc.plan import ExportOptions
+
+    r = CliRunner()
+    dry = ["export", str(tiny_gqa), "-o", str(tmp_path / "x"), "--dry-run", "--json"]
+    assert json.loads(r.invoke(app, dry).stdout)["plan"]["prefill_matmul"] == "tiles"
+    exact = r.invoke(app, [*dry, "--prefill-matmul", "exact"])
+    assert exact.exit_code == 0 and json.loads(exact.stdout)["plan"]["prefill_matmul"] == "exact"
+    bad = r.invoke(app, [*dry, "--prefill-matmul", "fast"])
+    assert bad.exit_code == 2 and "--prefill-matmul must be one of tiles, exact (got 'fast')" in bad.output
+
+    spec = spec_from_config(json.loads((tiny_gqa / "config.json").read_text()))
+    backend = get_backend("inductor", "cpu")
+
+    def key(value, bucket):
+        plan = make_plan(spec, ExportOptions(weights="int4", prefill_matmul=value))
+        return json.dumps(key_parts(spec, plan, bucket, backend, "k"), sort_keys=True)
+
+    for bucket in (Bucket("decode", 64), Bucket("verify", 64)):
+        assert key("tiles", bucket) == key("exact", bucket)
+    for bucket in (Bucket("context", 64), Bucket("chunk", 32)):
+        assert key("tiles", bucket) != key("exact", bucket)
