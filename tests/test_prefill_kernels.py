@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_kernels import make  # (op arguments, dequantised weight) per format name
 
 from nxdc.kernels import cpu_supported, ensure_loaded
 from nxdc.model.layers import Linear, prefill_matmuls
-from nxdc.model.quant import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
 
 pytestmark = pytest.mark.skipif(not cpu_supported(), reason="CPU without AVX2/FMA: kernels are not used")
 
@@ -39,7 +39,6 @@ TILES = (
 )
 NO_TILES = "CPU without AMX: prefill takes the exact kernels"
 FORMATS = ["bf16", "i8", "i8g32", "i8min", "i4", "i4asym", "i4g64"]
-GROUP = {"i8g32": 32, "i8min": 16, "i4": 32, "i4asym": 32, "i4g64": 64}
 # (N, K): a partial last tile of 64 rows, K in 5 blocks of 832 (4160 = 5 x 832), SmolLM2's K
 SHAPES = [(70, 192), (200, 4160), (17, 576), (64, 2048)]
 
@@ -47,21 +46,6 @@ SHAPES = [(70, 192), (200, 4160), (17, 576), (64, 2048)]
 @pytest.fixture(scope="module", autouse=True)
 def _loaded():
     assert ensure_loaded()
-
-
-def make(fmt: str, w: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
-    """(op arguments after x, the fp32 dequantised weight)."""
-    if fmt == "bf16":
-        wq = w.to(torch.bfloat16)
-        return (wq,), wq.float()
-    if fmt.startswith("i4"):
-        p, s, m = quantize_int4(w, GROUP[fmt], asymmetric=fmt == "i4asym")
-        return ((p, s) if m is None else (p, s, m)), dequantize_int4(p, s, m)
-    q, s = quantize_int8(w, GROUP.get(fmt))
-    if fmt == "i8min":
-        m = torch.randn_like(s) * s
-        return (q, s, m), dequantize_int8(q, s, m)
-    return (q, s), dequantize_int8(q, s)
 
 
 def exact(fmt: str):
