@@ -5,7 +5,9 @@ Both models are built in this process from the source checkpoint through the exp
 weight path (``write_weights``: same sharding-free tp 1 tensors, same quantisation) and run
 eagerly over the text, teacher-forced. Reported: top-1 agreement of the next-token
 predictions, perplexity of each model on the text and their ratio, and the largest absolute
-logit difference. Needs the fp32 model in memory (fine for small models; a 8B model needs
+logit difference; where the decode graphs multiply int8-quantized activations
+(``--decode-matmul int8``: int4 layers on CPUs with VNNI) the same again for those numerics
+(``decode``). Needs the fp32 model in memory (fine for small models; a 8B model needs
 ~32 GiB)."""
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from nxdc.compile.trace import wants_kernels
 from nxdc.model import weight_format
 from nxdc.model.decoder import Decoder, kv_cache_names, tie_lm_head
 from nxdc.model.dtypes import TORCH_DTYPES
+from nxdc.model.layers import decode_matmuls
 from nxdc.pipeline import gguf_weight_map, prepare, write_weights
 from nxdc.plan import stored_kv_cache
 
@@ -73,25 +76,29 @@ def measure_formats(
             )
             path = Path(tmp) / f"{i}-{fmt}.safetensors"
             write_weights(src, spec, p, 0, path)
-            got = _logits(spec, p, path, ids)
+            got, decode = _logits(spec, p, path, ids, decode_int8=bool(i) and p.decode_matmul == "int8")
             path.unlink()
             if ref is None:
                 ref = got
                 continue
-            ppl_ref, ppl = math.exp(nll(ref)), math.exp(nll(got))
-            out.append(
-                {
-                    "weights": fmt,
-                    "kv_cache": p.kv_format,
-                    "tokens": int(ids.shape[1]),
-                    "top1_agreement": float((ref.argmax(-1) == got.argmax(-1)).float().mean()),
-                    "perplexity_fp32": ppl_ref,
-                    "perplexity": ppl,
-                    "perplexity_ratio": ppl / ppl_ref,
-                    "max_abs_logit_error": float((ref - got).abs().max()),
-                }
-            )
+            ppl_ref = math.exp(nll(ref))
+            row = {"weights": fmt, "kv_cache": p.kv_format, "tokens": int(ids.shape[1])}
+            row.update(_agreement(ref, got, ppl_ref, nll))
+            if decode is not None and not torch.equal(decode, got):  # int8 activations at decode
+                row["decode"] = _agreement(ref, decode, ppl_ref, nll)
+            out.append(row)
     return out
+
+
+def _agreement(ref: torch.Tensor, got: torch.Tensor, ppl_ref: float, nll) -> dict:
+    ppl = math.exp(nll(got))
+    return {
+        "top1_agreement": float((ref.argmax(-1) == got.argmax(-1)).float().mean()),
+        "perplexity_fp32": ppl_ref,
+        "perplexity": ppl,
+        "perplexity_ratio": ppl / ppl_ref,
+        "max_abs_logit_error": float((ref - got).abs().max()),
+    }
 
 
 def _resolved(fmt: str, src, spec, plan) -> tuple[str | None, dict | None]:
@@ -113,7 +120,12 @@ def _tokens(src, text: str, limit: int) -> torch.Tensor:
     return torch.tensor([ids], dtype=torch.int64)
 
 
-def _logits(spec, plan, path: Path, ids: torch.Tensor) -> torch.Tensor:
+def _logits(
+    spec, plan, path: Path, ids: torch.Tensor, decode_int8: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Every position's logits with exact products, and (``decode_int8``) with the decode
+    graphs' int8 activations: their rows do not depend on each other, so the teacher-forced text
+    at once gives each token's decode-step numerics."""
     from safetensors.torch import load_file
 
     model = Decoder(
@@ -137,5 +149,10 @@ def _logits(spec, plan, path: Path, ids: torch.Tensor) -> torch.Tensor:
     t = ids.shape[1]
     pos = torch.arange(t)
     mask = (pos.view(1, t) <= pos.view(t, 1)).view(1, 1, t, t)
+    run = lambda: model(ids, pos.view(1, t), mask, None, None, every_position=True)[0].float()  # noqa: E731
     with torch.no_grad():
-        return model(ids, pos.view(1, t), mask, None, None, every_position=True)[0].float()
+        exact = run()
+        if not decode_int8:
+            return exact, None
+        with decode_matmuls():
+            return exact, run()

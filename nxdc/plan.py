@@ -23,6 +23,12 @@ KV_FORMATS = ("fp32", "fp16", "bf16")
 # the default): on bf16 tiles (activations and weights rounded to bf16: model/layers.py
 # Linear._tiled, kernels/prefill.cpp), or with the decode kernels' exact fp32 products.
 PREFILL_MATMULS = ("tiles", "exact")
+# How the decode and verify graphs multiply int4 weights (and a GGUF's K-quant int8 layers) on
+# CPUs with AVX-512 VNNI (the first is the default): with exact fp32 products, or on activations
+# quantized to int8, 32 per scale, with integer dot products (model/layers.py Linear._integer,
+# kernels/decode_q8.cpp: llama.cpp's numerics, decode up to 2x faster at size, greedy text no
+# longer transformers' token for token).
+DECODE_MATMULS = ("exact", "int8")
 # ExportOptions that hold a list of integers (comma-separated on the command line)
 LIST_OPTIONS = ("context_buckets", "decode_buckets", "chunk_buckets", "decode_batch_sizes")
 
@@ -54,6 +60,7 @@ class ExportOptions:
     kv_update: str | None = None  # in-place | functional (default: the backend's first, its RULES)
     device: str = "cpu"
     prefill_matmul: str | None = None  # tiles | exact (default tiles): PREFILL_MATMULS
+    decode_matmul: str | None = None  # exact | int8 (default exact): DECODE_MATMULS
 
     @classmethod
     def fields(cls) -> set[str]:
@@ -75,6 +82,7 @@ class ExportPlan:
     kv_cache: str | None = None  # None: stored in ``dtype``
     kv_update: str = "in-place"  # in-place (index_copy_ on the caches) | functional (graphs return them)
     prefill_matmul: str = "exact"  # PREFILL_MATMULS; exports before it multiplied exactly
+    decode_matmul: str = "exact"  # DECODE_MATMULS; the same
     weight_map: dict[str, str] | None = None  # weights "gguf": module -> format (model/weight_format.py)
 
     @property

@@ -42,6 +42,7 @@ EXPORT_FLAGS = [
     "--kv-update",
     "--device",
     "--prefill-matmul",
+    "--decode-matmul",
 ]
 COMMON = ["--cache-dir", "--json", "--quiet", "--verbose", "--help"]
 EXPECTED = {

@@ -93,6 +93,24 @@ def test_every_kept_type_is_stored_bit_exact(type_name, gguf_file):
     assert torch.equal(back, ref)  # bit for bit (-0.0 == 0.0)
 
 
+def test_requantize_row_chunks_equal_one_pass(monkeypatch):
+    """``requantize`` works a few rows at a time (bounded memory): the same tensors as in one
+    pass, and a value it cannot keep is found in whichever chunk it sits."""
+    from nxdc.weights import gguf_quant
+
+    t = random_tensor("Q4_K", rows=10, k=256, seed=7)
+    w, s, m = GGUFTensor(t, None).with_params().read().unbind(-1)
+    fmt = kept_format("Q4_K")
+    whole = requantize(w, s, m, fmt, "w")
+    monkeypatch.setattr(gguf_quant, "CHUNK_WEIGHTS", 3 * 256)  # 3 rows a chunk: 4 chunks
+    chunked = requantize(w, s, m, fmt, "w")
+    assert all(torch.equal(a, b) for a, b in zip(whole, chunked, strict=True))
+    w2 = w.clone()
+    w2[8, 5] += s[8, 5] / 3  # off the grid, in the last chunk
+    with pytest.raises(AssertionError, match="w: 1 values of the GGUF tensor are not kept exactly"):
+        requantize(w2, s, m, fmt, "w")
+
+
 def test_kernels_read_kept_blocks_as_the_reference_matmul():
     """The kernels on kept blocks compute x @ gguf-dequantized^T (the same sums as for any int8 /
     int4 weight: within fp32 rounding of an fp64 reference)."""

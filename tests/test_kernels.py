@@ -36,7 +36,7 @@ ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 20, 64]
 SHAPES = [(1, 16), (7, 100), (67, 576), (192, 576), (576, 1536), (33, 1000)]  # (N, K)
 FORMATS = ["f32", "f16", "bf16", "i8", "i8g32", "i8min", "i4", "i4asym", "i4g64"]
 # inputs per scale group (K must be a multiple); i8min: int8 with a min per group (GGUF Q5_K's form)
-GROUP = {"i8g32": 32, "i8min": 16, "i4": 32, "i4asym": 32, "i4g64": 64}
+GROUP = {"i8g32": 32, "i8g64": 64, "i8min": 16, "i4": 32, "i4asym": 32, "i4g64": 64, "i4g128": 128}
 
 
 def fits(fmt: str, k: int) -> bool:

@@ -8,11 +8,9 @@ are the reference's bits (no FMA contraction of q * s + m)."""
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import pytest
 import torch
+from cpu_paths import NO_TILES, TILES
 from test_kernels import make  # (op arguments, dequantised weight) per format name
 
 from nxdc.kernels import cpu_supported, ensure_loaded
@@ -21,23 +19,6 @@ from nxdc.model.layers import Linear, prefill_matmuls
 pytestmark = pytest.mark.skipif(not cpu_supported(), reason="CPU without AVX2/FMA: kernels are not used")
 
 
-def _flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
-    return set(line.split(":", 1)[-1].split())
-
-
-# the tile path's conditions: AMX (oneDNN's micro-kernel packs bf16 only there), not turned off
-TILES = (
-    {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "amx_bf16", "amx_tile"} <= _flags()
-    and not os.environ.get("ONEDNN_MAX_CPU_ISA")
-    and os.environ.get("NXDC_PREFILL_TILES") != "0"
-    and os.environ.get("NXDC_KERNELS_AVX2") in (None, "", "0")
-)
-NO_TILES = "CPU without AMX: prefill takes the exact kernels"
 FORMATS = ["bf16", "i8", "i8g32", "i8min", "i4", "i4asym", "i4g64"]
 # (N, K): a partial last tile of 64 rows, K in 5 blocks of 832 (4160 = 5 x 832), SmolLM2's K
 SHAPES = [(70, 192), (200, 4160), (17, 576), (64, 2048)]

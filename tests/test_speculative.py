@@ -281,9 +281,14 @@ def test_smollm2_prompt_lookup_and_self_draft_greedy_equal_plain(
 
 @pytest.fixture(scope="session")
 def smollm2_spec_export(cache_dir, tmp_path_factory):
-    # the smollm2_export fixture's buckets (cached graphs) plus the verify graph
+    # the smollm2_export fixture's prompt graph (cached) plus decode and verify graphs on int8
+    # activations (--decode-matmul int8): a verify row must equal a decode row there too
     return _export(
-        "smollm2-135m", tmp_path_factory.mktemp("exports") / "smollm2-spec", **SMOLLM2, speculation_length=K
+        "smollm2-135m",
+        tmp_path_factory.mktemp("exports") / "smollm2-spec",
+        **SMOLLM2,
+        speculation_length=K,
+        decode_matmul="int8",
     )
 
 

@@ -87,11 +87,20 @@ def describe_result(r) -> str:
     acc = r.accuracy
     if acc is None:
         return line
-    return (
+    text = (
         f"{line}\naccuracy of --weights {acc['weights']} --kv-cache {acc['kv_cache']} vs fp32 on {acc['tokens']} tokens: "
-        f"top-1 agreement {acc['top1_agreement']:.1%}, perplexity {acc['perplexity']:.3f} vs "
-        f"{acc['perplexity_fp32']:.3f} ({acc['perplexity_ratio'] - 1:+.2%}), "
-        f"max |logit error| {acc['max_abs_logit_error']:.3g}"
+        + _agreement(acc)
+    )
+    if "decode" in acc:
+        text += f"\n  with decode's int8 activations (--decode-matmul int8): {_agreement(acc['decode'])}"
+    return text
+
+
+def _agreement(a: dict) -> str:
+    return (
+        f"top-1 agreement {a['top1_agreement']:.1%}, perplexity {a['perplexity']:.3f} vs "
+        f"{a['perplexity_fp32']:.3f} ({a['perplexity_ratio'] - 1:+.2%}), "
+        f"max |logit error| {a['max_abs_logit_error']:.3g}"
     )
 
 

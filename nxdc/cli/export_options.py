@@ -13,7 +13,14 @@ import typer
 
 from nxdc.api.export import with_export_options
 from nxdc.compile.backends.registry import help_text
-from nxdc.plan import DEFAULT_SEQUENCE_LENGTH, DTYPES, KV_FORMATS, LIST_OPTIONS, PREFILL_MATMULS
+from nxdc.plan import (
+    DECODE_MATMULS,
+    DEFAULT_SEQUENCE_LENGTH,
+    DTYPES,
+    KV_FORMATS,
+    LIST_OPTIONS,
+    PREFILL_MATMULS,
+)
 
 BACKEND_HELP = help_text()
 
@@ -61,6 +68,13 @@ FLAGS = {
         "with AMX. tiles: bf16 tiles, activations rounded to bf16 (prompts 3-6x faster); exact: fp32 "
         "products as decode has them (docs/weights.md).",
         PREFILL_MATMULS[0],
+    ),
+    "decode_matmul": Flag(
+        f"{' | '.join(DECODE_MATMULS)}: how decode and verify graphs multiply int4 weights (and a GGUF's "
+        "K-quant int8 layers) on CPUs with AVX-512 VNNI. exact: fp32 products; int8: activations "
+        "quantized to int8, 32 per scale, integer dot products as llama.cpp does (decode up to 2x "
+        "faster at size; text may differ from transformers' after a near-tie: docs/weights.md).",
+        DECODE_MATMULS[0],
     ),
 }
 

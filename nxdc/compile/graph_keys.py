@@ -32,12 +32,9 @@ def key_parts(
         **({"weight_map": plan.weight_map} if plan.weight_map else {}),
         **({"kv_cache": plan.kv_cache} if plan.kv_cache else {}),
         **({"kv_update": plan.kv_update} if plan.kv_update != "in-place" else {}),  # keys as before
-        # only prompt graphs multiply on tiles: decode / verify graphs are shared by both settings
-        **(
-            {"prefill_matmul": plan.prefill_matmul}
-            if bucket.kind in PROMPT_KINDS and plan.prefill_matmul != "exact"
-            else {}
-        ),
+        # only prompt graphs multiply on tiles, only decode / verify graphs on int8 activations:
+        # each setting keys only its own graphs, which the others share
+        **_matmul_part(plan, bucket),
         "tp": plan.tp,
         **({"speculation_length": plan.speculation_length} if bucket.kind == "verify" else {}),
         "code": model_code_digest(),
@@ -64,3 +61,14 @@ def graph_entries(spec: ModelSpec, plan: ExportPlan, backend) -> dict[tuple[str,
         parts = key_parts(spec, plan, bucket, backend, kernels)
         out[(ns, digest(parts))] = json.loads(canonical(parts))
     return out
+
+
+def _matmul_part(plan: ExportPlan, bucket: Bucket) -> dict[str, str]:
+    """The key part of how the graph's kernel Linears multiply (nothing where exactly, as
+    before these options)."""
+    name, value = (
+        ("prefill_matmul", plan.prefill_matmul)
+        if bucket.kind in PROMPT_KINDS
+        else ("decode_matmul", plan.decode_matmul)
+    )
+    return {name: value} if value != "exact" else {}

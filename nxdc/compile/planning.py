@@ -17,6 +17,7 @@ from nxdc.errors import UnsupportedError, UserInputError
 from nxdc.model import weight_format
 from nxdc.model.sharding import check_tp, shard_layout
 from nxdc.plan import (
+    DECODE_MATMULS,
     DEFAULT_SEQUENCE_LENGTH,
     DTYPES,
     PREFILL_MATMULS,
@@ -33,10 +34,13 @@ def _positive(name: str, value: int) -> None:
         raise UserInputError(f"--{name.replace('_', '-')} must be a positive integer (got {value!r})")
 
 
-def _prefill_matmul(opts: ExportOptions) -> str:
-    value = opts.prefill_matmul or PREFILL_MATMULS[0]
-    if value not in PREFILL_MATMULS:
-        raise UserInputError(f"--prefill-matmul must be one of {', '.join(PREFILL_MATMULS)} (got {value!r})")
+def _choice(opts: ExportOptions, name: str, choices: tuple[str, ...]) -> str:
+    """The option ``name``'s value, one of ``choices`` (default: the first)."""
+    value = getattr(opts, name) or choices[0]
+    if value not in choices:
+        raise UserInputError(
+            f"--{name.replace('_', '-')} must be one of {', '.join(choices)} (got {value!r})"
+        )
     return value
 
 
@@ -83,7 +87,8 @@ def make_plan(spec: ModelSpec, opts: ExportOptions) -> ExportPlan:
         kv_cache=stored_kv_cache(opts.kv_cache, weights, opts.dtype),
         source_num_layers=spec.num_layers if opts.num_layers else None,
         kv_update=kv_update,
-        prefill_matmul=_prefill_matmul(opts),
+        prefill_matmul=_choice(opts, "prefill_matmul", PREFILL_MATMULS),
+        decode_matmul=_choice(opts, "decode_matmul", DECODE_MATMULS),
     )
 
 

@@ -37,6 +37,7 @@ def meta_decoder(spec: ModelSpec, plan: ExportPlan, kernels: bool = False) -> De
             kernels=kernels,
             kv_update=plan.kv_update,
             prefill_tiles=plan.prefill_matmul == "tiles",
+            decode_int8=plan.decode_matmul == "int8",
         )
 
 

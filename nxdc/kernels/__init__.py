@@ -17,6 +17,11 @@ graphs call instead. bfloat16 / int8 / int4 weights run on AMX bf16 tiles throug
 oneDNN brgemm, activations and weights rounded to bf16, fp32 accumulation; other formats, CPUs
 without AMX and calls under 16 rows take the ops above.
 
+``nxdc::linear_q8`` / ``swiglu_q8`` (``decode_q8.cpp``, the int8 / int4 ops' arguments): what the
+decode and verify graphs of int4 weights (and a GGUF's K-quant int8 layers) call with
+``--decode-matmul int8``: activations quantized to int8 in blocks of 32, AVX-512 VNNI integer
+dot products, fp32 scaling; CPUs without VNNI take the exact ops.
+
 ``nxdc::attend(q, k_cache, v_cache, positions)`` (``attention.cpp``): prefill, decode and verify
 attention over the static KV cache, reading only the slots each query row attends to.
 
@@ -53,7 +58,9 @@ from nxdc.errors import CacheError, ExportDirError
 
 log = logging.getLogger(__name__)
 # every C++ source compiled into the one library; all of them go into the digest
-SOURCES = [Path(__file__).with_name(f) for f in ("linear.cpp", "prefill.cpp", "attention.cpp")]
+SOURCES = [
+    Path(__file__).with_name(f) for f in ("linear.cpp", "prefill.cpp", "decode_q8.cpp", "attention.cpp")
+]
 HEADERS = [Path(__file__).with_name("vexp.h")]  # included by the sources: in the digest too
 # -ffp-contract=off: a product and a sum written apart stay apart (never one FMA), so a dequantised
 # weight q * s + m has the bits of the reference's (model/quant.py) and gguf's
@@ -304,6 +311,8 @@ _FAKES = {
     "swiglu": _swiglu_fake,
     "prefill_linear": _linear_fake,  # any of those weight formats
     "prefill_swiglu": _swiglu_fake,
+    "linear_q8": _linear_fake,  # int8 / int4 weights
+    "swiglu_q8": _swiglu_fake,
 }
 
 

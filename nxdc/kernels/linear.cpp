@@ -71,11 +71,27 @@ bool has_avx512() {
   }();
   return yes;
 }
+
+// o[0..n) = silu(g) * u, 8 lanes at a time (also decode_q8.cpp's); a short tail goes through
+// the same vector code (padded), so every element's bits are the same wherever it sits.
+NXDC_AVX2 void silu_mul_row(const float* g, const float* u, float* o, int64_t n) {
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8)
+    _mm256_storeu_ps(o + j, nxdc_cpu::silu_mul(_mm256_loadu_ps(g + j), _mm256_loadu_ps(u + j)));
+  if (j < n) {
+    alignas(32) float gt[8] = {}, ut[8] = {}, ot[8];
+    std::copy(g + j, g + n, gt);
+    std::copy(u + j, u + n, ut);
+    _mm256_store_ps(ot, nxdc_cpu::silu_mul(_mm256_load_ps(gt), _mm256_load_ps(ut)));
+    std::copy(ot, ot + (n - j), o + j);
+  }
+}
 }  // namespace nxdc_cpu
 
 namespace {
 
 using nxdc_cpu::has_avx512;
+using nxdc_cpu::silu_mul_row;
 
 enum class Fmt { F32, F16, BF16, I8, I4 };
 // Group: w = q * s; GroupMin: w = q * s + m (multiply, then add: never fused, so the bits equal
@@ -617,21 +633,6 @@ void stream(const Args& a, int64_t M) {
   at::parallel_for(0, (a.N + U - 1) / U, p.grain, [&](int64_t u0, int64_t u1) {
     rows_range<F, S>(a, M, p, u0 * U, std::min(a.N, u1 * U));
   });
-}
-
-// o[0..n) = silu(g) * u, 8 lanes at a time; a short tail goes through the same vector code
-// (padded), so every element's bits are the same wherever it sits.
-NXDC_AVX2 void silu_mul_row(const float* g, const float* u, float* o, int64_t n) {
-  int64_t j = 0;
-  for (; j + 8 <= n; j += 8)
-    _mm256_storeu_ps(o + j, nxdc_cpu::silu_mul(_mm256_loadu_ps(g + j), _mm256_loadu_ps(u + j)));
-  if (j < n) {
-    alignas(32) float gt[8] = {}, ut[8] = {}, ot[8];
-    std::copy(g + j, g + n, gt);
-    std::copy(u + j, u + n, ut);
-    _mm256_store_ps(ot, nxdc_cpu::silu_mul(_mm256_load_ps(gt), _mm256_load_ps(ut)));
-    std::copy(ot, ot + (n - j), o + j);
-  }
 }
 
 // The rows [row0, row0 + n) of a's weight, written to dst [M, n].

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from nxdc.model.attention import Attention
-from nxdc.model.layers import MLP, Embedding, Linear, RMSNorm, prefill_matmuls, rope_tables
+from nxdc.model.layers import MLP, Embedding, Linear, RMSNorm, decode_matmuls, prefill_matmuls, rope_tables
 from nxdc.model.moe import MoE
 from nxdc.model.parallel import all_gather_last, all_reduce
 from nxdc.model.sharding import VOCAB_ROWS, ShardLayout, shard_layout
@@ -90,7 +90,9 @@ class Decoder(nn.Module):
     kernels (decided at export: ``compile/trace.py``); ``kv_update`` ``"functional"`` writes the
     KV caches out of place and re-assigns them (graphs wrapped in ``FunctionalKV`` return them),
     ``"in-place"`` writes them with ``index_copy_``; ``prefill_tiles`` lets the prefill graphs'
-    linear layers multiply on bf16 tiles where their numerics allow (``prefill_matmuls``)."""
+    linear layers multiply on bf16 tiles where their numerics allow (``prefill_matmuls``);
+    ``decode_int8`` lets the decode and verify graphs' int4 layers multiply int8-quantized
+    activations (``decode_matmuls``)."""
 
     KV_UPDATES = ("in-place", "functional")
 
@@ -108,11 +110,13 @@ class Decoder(nn.Module):
         kernels: bool = False,
         kv_update: str = "in-place",
         prefill_tiles: bool = False,
+        decode_int8: bool = False,
     ):
         super().__init__()
         if kv_update not in self.KV_UPDATES:
             raise ValueError(f"kv_update must be one of {self.KV_UPDATES} (got {kv_update!r})")
         self.kernels, self.kv_update, self.prefill_tiles = kernels, kv_update, prefill_tiles
+        self.decode_int8 = decode_int8
         layout = layout or shard_layout(spec, 1)
         self.spec, self.batch, self.max_seq, self.tp, self.layout = spec, batch, max_seq, layout.tp, layout
         self.embed_tokens = Embedding(spec.vocab_size, spec.hidden_size, dtype, device)
@@ -238,7 +242,8 @@ class TokenGeneration(nn.Module):
         positions = positions.clamp(min=0)
         slots = torch.arange(self.kv_len, device=input_ids.device)
         mask = slots.view(1, 1, 1, -1) <= positions.view(-1, 1, 1, 1)
-        return self.model(input_ids, positions.view(-1, 1), mask, self.kv_len, None, rows=rows, keep=keep)
+        with decode_matmuls(self.model.decode_int8):
+            return self.model(input_ids, positions.view(-1, 1), mask, self.kv_len, None, rows=rows, keep=keep)
 
 
 class Verify(nn.Module):
@@ -260,7 +265,8 @@ class Verify(nn.Module):
         positions = torch.where(keep, start.view(-1, 1) + steps, steps)
         slots = torch.arange(self.kv_len, device=input_ids.device)
         mask = (slots.view(1, 1, -1) <= positions.unsqueeze(-1)).unsqueeze(1)  # [B, 1, k+1, S]
-        return self.model(input_ids, positions, mask, self.kv_len, None, every_position=True, keep=keep)
+        with decode_matmuls(self.model.decode_int8):
+            return self.model(input_ids, positions, mask, self.kv_len, None, every_position=True, keep=keep)
 
 
 class RowPrefill(nn.Module):

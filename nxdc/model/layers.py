@@ -39,20 +39,34 @@ DTYPE_OPS = {torch.float32: "linear_f32", torch.float16: "linear_f16", torch.bfl
 # Activations the kernels take: fp32 as they are; fp16 / bf16 (``--dtype``) converted to fp32 on
 # the way in and rounded back on the way out, as transformers' fp32-accumulating matmul rounds.
 KERNEL_DTYPES = frozenset(DTYPE_OPS)
-_PREFILL = contextvars.ContextVar("nxdc_prefill", default=False)
+# How the kernel Linears of the graph being traced multiply: "tiles" (prefill graphs,
+# ``prefill_matmuls``), "int8" (decode / verify graphs, ``decode_matmuls``) or exactly (None).
+_MATMULS = contextvars.ContextVar("nxdc_matmuls", default=None)
 
 
 @contextlib.contextmanager
-def prefill_matmuls(tiles: bool = True):
-    """With ``tiles``, kernel Linears whose numerics bf16 tiles keep (``Linear._tiled``) call the
-    prefill ops within it (a whole prompt at once: compute-bound; kernels/prefill.cpp). The
-    prefill graphs trace their forward inside it (``tiles``: the plan's ``--prefill-matmul``);
-    decode and verify stay on the streaming ops, whose rows have the same bits at any M."""
-    token = _PREFILL.set(tiles)
+def _matmuls(mode: str | None):
+    token = _MATMULS.set(mode)
     try:
         yield
     finally:
-        _PREFILL.reset(token)
+        _MATMULS.reset(token)
+
+
+def prefill_matmuls(tiles: bool = True):
+    """With ``tiles``, kernel Linears whose numerics bf16 tiles keep (``Linear._tiled``) call the
+    prefill ops within it (a whole prompt at once: compute-bound; kernels/prefill.cpp). The
+    prefill graphs trace their forward inside it (``tiles``: the plan's ``--prefill-matmul``)."""
+    return _matmuls("tiles" if tiles else None)
+
+
+def decode_matmuls(int8: bool = True):
+    """With ``int8``, kernel Linears of int4 weights and a GGUF's K-quant int8 layers
+    (``Linear._coarse``) call the integer ops within it: activations quantized to int8, 32 per
+    scale, VNNI dot products (kernels/decode_q8.cpp). The decode and verify graphs trace their
+    forward inside it (the plan's ``--decode-matmul``); both ops keep every row's bits whatever M,
+    so a verify row equals a decode row."""
+    return _matmuls("int8" if int8 else None)
 
 
 def quant_params(module: nn.Module) -> tuple[torch.Tensor, ...]:
@@ -127,6 +141,8 @@ class Linear(nn.Module):
         if self.kernels and x.dtype in KERNEL_DTYPES:
             if self._tiled(x.dtype):
                 op = "prefill_linear"
+            elif self._integer():
+                op = "linear_q8"
             else:
                 op = LOWP_OPS[self.stored] if self.stored is not None else DTYPE_OPS[self.weight.dtype]
             y = getattr(torch.ops.nxdc, op)(x2.float(), self.weight, *self._quant()).to(x.dtype)
@@ -144,25 +160,33 @@ class Linear(nn.Module):
         PyTorch's SiLU on the halves."""
         if self.kernels and self.bias is None and x.dtype in KERNEL_DTYPES:
             k = x.shape[-1]
-            op = torch.ops.nxdc.prefill_swiglu if self._tiled(x.dtype) else torch.ops.nxdc.swiglu
-            y = op(x.reshape(-1, k).float(), self.weight, *self._quant()).to(x.dtype)
+            op = "prefill_swiglu" if self._tiled(x.dtype) else "swiglu_q8" if self._integer() else "swiglu"
+            y = getattr(torch.ops.nxdc, op)(x.reshape(-1, k).float(), self.weight, *self._quant()).to(x.dtype)
             return y.view(*x.shape[:-1], y.shape[-1])
         gate, up = self(x).chunk(2, dim=-1)
         return F.silu(gate) * up
 
     def _tiled(self, dtype: torch.dtype) -> bool:
         """Whether this call, in a prefill graph, takes the bf16 tiles (activations and weights
-        rounded to bf16, 0.2%): int4 weights (16 levels), int8 with a min per group (only a GGUF
-        K-quant's 5-6-bit tensors load so: Q5_K, Q6_K), and ``--dtype bf16``, whose activations and
-        weights are bf16 already. ``--weights int8`` (and a kept Q8_0), fp16 and ``--weights bf16``
-        keep their exact fp32 products: bf16 rounding there moved SmolLM2 int8's prefill logits by
-        0.13 (the compiled-vs-eager budget is 2e-3), and their prefill already beats llama.cpp's
-        (docs/performance.md)."""
-        if not _PREFILL.get():
+        rounded to bf16, 0.2%): the coarse formats (``_coarse``) and ``--dtype bf16``, whose
+        activations and weights are bf16 already."""
+        if _MATMULS.get() != "tiles":
             return False
-        if self.fmt is not None:
-            return self.fmt.kind == "int4" or (self.fmt.kind == "int8" and self.fmt.asym)
-        return self.weight.dtype == dtype == torch.bfloat16
+        return self._coarse() if self.fmt is not None else self.weight.dtype == dtype == torch.bfloat16
+
+    def _integer(self) -> bool:
+        """Whether this call, in a decode / verify graph, multiplies int8-quantized activations
+        (``decode_matmuls``): the coarse formats, whose weights are grouped."""
+        return _MATMULS.get() == "int8" and self.fmt is not None and self._coarse()
+
+    def _coarse(self) -> bool:
+        """Weights much coarser than the activations' rounding: int4 (16 levels) and int8 with a
+        min per group (only a GGUF K-quant's 5-6-bit tensors load so: Q5_K, Q6_K). ``--weights
+        int8`` (and a kept Q8_0), fp16 and ``--weights bf16`` keep their exact fp32 products: bf16
+        rounding moved SmolLM2 int8's prefill logits by 0.13 (the compiled-vs-eager budget is
+        2e-3), and their prompts and decode already beat llama.cpp's (docs/performance.md)."""
+        f = self.fmt
+        return f.kind == "int4" or (f.kind == "int8" and f.asym)
 
     def _quant(self) -> tuple[torch.Tensor, ...]:
         return quant_params(self) if self.fmt is not None and self.fmt.quantized else ()
