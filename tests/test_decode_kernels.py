@@ -5,7 +5,7 @@ fp32 rounding (tests/test_kernels.py's bound), for int4 and grouped int8 in ever
 K tails and M in one and several passes; a row does not depend on the rows beside it (a verify
 row equals a decode row); other group sizes, per-row int8 and CPUs without VNNI give the exact
 ops' bits; bad arguments give the exact ops' errors; only decode / verify graphs of the coarse
-formats call them, and ``--decode-matmul`` keys only those graphs."""
+formats call them (``--decode-matmul``'s option and key: test_prefill_kernels.py)."""
 
 from __future__ import annotations
 
@@ -156,39 +156,3 @@ def test_only_decode_graphs_of_coarse_formats_call_the_integer_ops(stored, integ
     x = torch.randn(2, 1, 64)
     assert ("nxdc.linear_q8" in _traced(lin, x, decode=True)) == integer
     assert "nxdc.linear_q8" not in _traced(lin, x, decode=False)
-
-
-def test_decode_matmul_option_keys_only_the_decode_graphs(tiny_gqa, tmp_path):
-    """``--decode-matmul``: exact by default, int8 on request, anything else refused in one line;
-    it names the decode and verify graphs' cache entries only."""
-    import json
-
-    from typer.testing import CliRunner
-
-    from nxdc.archs import spec_from_config
-    from nxdc.buckets import Bucket
-    from nxdc.cli.main import app
-    from nxdc.compile.backends.registry import get_backend
-    from nxdc.compile.graph_keys import key_parts
-    from nxdc.compile.planning import make_plan
-    from nxdc.plan import ExportOptions
-
-    r = CliRunner()
-    dry = ["export", str(tiny_gqa), "-o", str(tmp_path / "x"), "--dry-run", "--json"]
-    assert json.loads(r.invoke(app, dry).stdout)["plan"]["decode_matmul"] == "exact"
-    int8 = r.invoke(app, [*dry, "--decode-matmul", "int8"])
-    assert int8.exit_code == 0 and json.loads(int8.stdout)["plan"]["decode_matmul"] == "int8"
-    bad = r.invoke(app, [*dry, "--decode-matmul", "int4"])
-    assert bad.exit_code == 2 and "--decode-matmul must be one of exact, int8 (got 'int4')" in bad.output
-
-    spec = spec_from_config(json.loads((tiny_gqa / "config.json").read_text()))
-    backend = get_backend("inductor", "cpu")
-
-    def key(value, bucket):
-        plan = make_plan(spec, ExportOptions(weights="int4", decode_matmul=value))
-        return json.dumps(key_parts(spec, plan, bucket, backend, "k"), sort_keys=True)
-
-    for bucket in (Bucket("context", 64), Bucket("chunk", 32)):
-        assert key("int8", bucket) == key("exact", bucket)
-    for bucket in (Bucket("decode", 64), Bucket("verify", 64)):
-        assert key("int8", bucket) != key("exact", bucket)

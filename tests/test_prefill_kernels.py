@@ -165,10 +165,21 @@ def test_kernels_multiply_by_the_reference_dequantisation(fmt):
         assert torch.equal(torch.ops.nxdc.prefill_linear(eye, *args).t(), wd.bfloat16().float())
 
 
-def test_prefill_matmul_option_keys_only_the_prompt_graphs(tiny_gqa, tmp_path):
-    """``--prefill-matmul``: tiles by default, exact on request, anything else refused in one
-    line; it names the prompt graphs' cache entries only, so an exact export reuses the decode
-    graphs of a tiles one."""
+PROMPT_GRAPHS, STEP_GRAPHS = (("context", 64), ("chunk", 32)), (("decode", 64), ("verify", 64))
+
+
+@pytest.mark.parametrize(
+    "name, default, other, bad, keyed, shared",
+    [
+        ("prefill_matmul", "tiles", "exact", "fast", PROMPT_GRAPHS, STEP_GRAPHS),
+        ("decode_matmul", "exact", "int8", "int4", STEP_GRAPHS, PROMPT_GRAPHS),
+    ],
+)
+def test_matmul_options_key_only_their_graphs(tiny_gqa, tmp_path, name, default, other, bad, keyed, shared):
+    """``--prefill-matmul`` (tiles by default) and ``--decode-matmul`` (exact by default): the
+    other value on request, anything else refused in one line; each names only its own graphs'
+    cache entries (prompt graphs; decode and verify graphs), so exports differing in one share
+    the other graphs."""
     import json
 
     from typer.testing import CliRunner
@@ -181,22 +192,24 @@ def test_prefill_matmul_option_keys_only_the_prompt_graphs(tiny_gqa, tmp_path):
     from nxdc.compile.planning import make_plan
     from nxdc.plan import ExportOptions
 
+    flag = "--" + name.replace("_", "-")
     r = CliRunner()
     dry = ["export", str(tiny_gqa), "-o", str(tmp_path / "x"), "--dry-run", "--json"]
-    assert json.loads(r.invoke(app, dry).stdout)["plan"]["prefill_matmul"] == "tiles"
-    exact = r.invoke(app, [*dry, "--prefill-matmul", "exact"])
-    assert exact.exit_code == 0 and json.loads(exact.stdout)["plan"]["prefill_matmul"] == "exact"
-    bad = r.invoke(app, [*dry, "--prefill-matmul", "fast"])
-    assert bad.exit_code == 2 and "--prefill-matmul must be one of tiles, exact (got 'fast')" in bad.output
+    assert json.loads(r.invoke(app, dry).stdout)["plan"][name] == default
+    res = r.invoke(app, [*dry, flag, other])
+    assert res.exit_code == 0 and json.loads(res.stdout)["plan"][name] == other
+    res = r.invoke(app, [*dry, flag, bad])
+    values = ", ".join((default, other))
+    assert res.exit_code == 2 and f"{flag} must be one of {values} (got '{bad}')" in res.output
 
     spec = spec_from_config(json.loads((tiny_gqa / "config.json").read_text()))
     backend = get_backend("inductor", "cpu")
 
     def key(value, bucket):
-        plan = make_plan(spec, ExportOptions(weights="int4", prefill_matmul=value))
-        return json.dumps(key_parts(spec, plan, bucket, backend, "k"), sort_keys=True)
+        plan = make_plan(spec, ExportOptions(weights="int4", **{name: value}))
+        return json.dumps(key_parts(spec, plan, Bucket(*bucket), backend, "k"), sort_keys=True)
 
-    for bucket in (Bucket("decode", 64), Bucket("verify", 64)):
-        assert key("tiles", bucket) == key("exact", bucket)
-    for bucket in (Bucket("context", 64), Bucket("chunk", 32)):
-        assert key("tiles", bucket) != key("exact", bucket)
+    for bucket in shared:
+        assert key(default, bucket) == key(other, bucket)
+    for bucket in keyed:
+        assert key(default, bucket) != key(other, bucket)

@@ -61,7 +61,9 @@ log = logging.getLogger(__name__)
 SOURCES = [
     Path(__file__).with_name(f) for f in ("linear.cpp", "prefill.cpp", "decode_q8.cpp", "attention.cpp")
 ]
-HEADERS = [Path(__file__).with_name("vexp.h")]  # included by the sources: in the digest too
+HEADERS = [
+    Path(__file__).with_name(f) for f in ("vexp.h", "linear.h")
+]  # included by the sources: in the digest too
 # -ffp-contract=off: a product and a sum written apart stay apart (never one FMA), so a dequantised
 # weight q * s + m has the bits of the reference's (model/quant.py) and gguf's
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"]

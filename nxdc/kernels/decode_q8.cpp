@@ -38,17 +38,7 @@
 
 #define NXDC_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
 
-// linear.cpp: the exact kernels (the fallback and the argument checks), its ISA choice and SiLU
-at::Tensor linear_i8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
-                     const std::optional<at::Tensor>& min);
-at::Tensor linear_i4(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
-                     const std::optional<at::Tensor>& min);
-at::Tensor swiglu(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& scale,
-                  const std::optional<at::Tensor>& min);
-namespace nxdc_cpu {
-bool has_avx512();
-void silu_mul_row(const float* g, const float* u, float* o, int64_t n);
-}  // namespace nxdc_cpu
+#include "linear.h"  // the exact kernels (the fallback and the argument checks), ISA choice, SiLU
 
 namespace {
 
@@ -295,24 +285,6 @@ void rows_all(const Weights& a, const Acts& x, int64_t M, int64_t n0, int64_t n1
   }
 }
 
-// f(kind, lanes per scale, mins) as compile-time constants.
-template <typename Fn>
-void dispatch(Kind F, int64_t lps, bool mins, Fn&& f) {
-  auto with_lps = [&](auto kind) {
-    auto with_min = [&](auto l) {
-      if (mins)
-        f(kind, l, std::true_type{});
-      else
-        f(kind, l, std::false_type{});
-    };
-    if (lps == 4) with_min(std::integral_constant<int, 4>{});
-    else if (lps == 8) with_min(std::integral_constant<int, 8>{});
-    else with_min(std::integral_constant<int, 16>{});
-  };
-  if (F == Kind::I4) with_lps(std::integral_constant<Kind, Kind::I4>{});
-  else with_lps(std::integral_constant<Kind, Kind::I8>{});
-}
-
 // Whether this call takes the integer path (else linear.cpp's exact kernels).
 bool integer_path(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale) {
   const auto t = w.scalar_type();
@@ -348,6 +320,29 @@ Call prepare(const at::Tensor& x_, const at::Tensor& w_, const at::Tensor& scale
   return c;
 }
 
+// rows_all for the call's kind, lanes per scale and mins: weight rows [n0, n1) into out.
+template <Kind F>
+void run_kind(const Call& c, int64_t M, int64_t n0, int64_t n1, float* out, int64_t ldo) {
+  const Weights& a = c.a;
+  const Acts& x = c.acts;
+  if (c.m.defined()) {
+    if (c.lps == 4) rows_all<F, 4, true>(a, x, M, n0, n1, out, ldo);
+    else if (c.lps == 8) rows_all<F, 8, true>(a, x, M, n0, n1, out, ldo);
+    else rows_all<F, 16, true>(a, x, M, n0, n1, out, ldo);
+  } else {
+    if (c.lps == 4) rows_all<F, 4, false>(a, x, M, n0, n1, out, ldo);
+    else if (c.lps == 8) rows_all<F, 8, false>(a, x, M, n0, n1, out, ldo);
+    else rows_all<F, 16, false>(a, x, M, n0, n1, out, ldo);
+  }
+}
+
+void run_rows(const Call& c, int64_t M, int64_t n0, int64_t n1, float* out, int64_t ldo) {
+  if (c.F == Kind::I4)
+    run_kind<Kind::I4>(c, M, n0, n1, out, ldo);
+  else
+    run_kind<Kind::I8>(c, M, n0, n1, out, ldo);
+}
+
 int64_t grain(const Call& c, int64_t M) {  // at least ~64 KiB of weights a thread
   const int64_t RB = c.F == Kind::I4 ? c.a.K / 2 : c.a.K;
   return std::max<int64_t>(1, (64 * 1024) / std::max<int64_t>(1, U * RB * ((M + 7) / 8)));
@@ -368,14 +363,9 @@ at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   const int64_t M = c.x.size(0), N = c.a.N;
   at::Tensor out = at::empty({M, N}, x.options());
   float* o = out.data_ptr<float>();
-  dispatch(c.F, c.lps, c.m.defined(), [&](auto f, auto l, auto mn) {
-    constexpr Kind F = decltype(f)::value;
-    constexpr int LPS = decltype(l)::value;
-    constexpr bool MIN = decltype(mn)::value;
-    at::parallel_for(0, (N + U - 1) / U, grain(c, M), [&](int64_t u0, int64_t u1) {
-      const int64_t n0 = u0 * U, n1 = std::min(N, u1 * U);
-      rows_all<F, LPS, MIN>(c.a, c.acts, M, n0, n1, o + n0, N);
-    });
+  at::parallel_for(0, (N + U - 1) / U, grain(c, M), [&](int64_t u0, int64_t u1) {
+    const int64_t n0 = u0 * U, n1 = std::min(N, u1 * U);
+    run_rows(c, M, n0, n1, o + n0, N);
   });
   return out;
 }
@@ -390,18 +380,13 @@ at::Tensor swiglu_q8(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   const int64_t M = c.x.size(0), I = c.a.N / 2;
   at::Tensor out = at::empty({M, I}, x.options());
   float* o = out.data_ptr<float>();
-  dispatch(c.F, c.lps, c.m.defined(), [&](auto f, auto l, auto mn) {
-    constexpr Kind F = decltype(f)::value;
-    constexpr int LPS = decltype(l)::value;
-    constexpr bool MIN = decltype(mn)::value;
-    at::parallel_for(0, (I + U - 1) / U, std::max<int64_t>(1, grain(c, M) / 2), [&](int64_t u0, int64_t u1) {
-      const int64_t c0 = u0 * U, c1 = std::min(I, u1 * U), n = c1 - c0;
-      std::vector<float> buf(2 * M * n);
-      float *g = buf.data(), *u = g + M * n;
-      rows_all<F, LPS, MIN>(c.a, c.acts, M, c0, c1, g, n);
-      rows_all<F, LPS, MIN>(c.a, c.acts, M, I + c0, I + c1, u, n);
-      for (int64_t m = 0; m < M; ++m) nxdc_cpu::silu_mul_row(g + m * n, u + m * n, o + m * I + c0, n);
-    });
+  at::parallel_for(0, (I + U - 1) / U, std::max<int64_t>(1, grain(c, M) / 2), [&](int64_t u0, int64_t u1) {
+    const int64_t c0 = u0 * U, c1 = std::min(I, u1 * U), n = c1 - c0;
+    std::vector<float> buf(2 * M * n);
+    float *g = buf.data(), *u = g + M * n;
+    run_rows(c, M, c0, c1, g, n);
+    run_rows(c, M, I + c0, I + c1, u, n);
+    for (int64_t m = 0; m < M; ++m) nxdc_cpu::silu_mul_row(g + m * n, u + m * n, o + m * I + c0, n);
   });
   return out;
 }

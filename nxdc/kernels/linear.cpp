@@ -54,6 +54,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "linear.h"
 #include "vexp.h"
 
 #define NXDC_AVX2 __attribute__((target("avx2,fma,f16c")))

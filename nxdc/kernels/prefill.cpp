@@ -40,19 +40,7 @@
 
 #define NXDC_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c")))
 
-// linear.cpp: the exact kernels (the fallback) and its ISA choice
-at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& w);
-at::Tensor linear_f16(const at::Tensor& x, const at::Tensor& w);
-at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w);
-at::Tensor linear_i8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
-                     const std::optional<at::Tensor>& min);
-at::Tensor linear_i4(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
-                     const std::optional<at::Tensor>& min);
-at::Tensor swiglu(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& scale,
-                  const std::optional<at::Tensor>& min);
-namespace nxdc_cpu {
-bool has_avx512();
-}
+#include "linear.h"  // the exact kernels (the fallback) and the ISA choice
 
 namespace {
 
