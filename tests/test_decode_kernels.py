@@ -143,12 +143,13 @@ def _traced(lin: Linear, x: torch.Tensor, decode: bool) -> str:
         ("int4-asym-g32", True),
         ("int4-sym-g64", True),
         ("int8-asym-g16", True),  # a kept Q6_K / Q5_K
-        ("int8-g32", False),  # --weights int8 and a kept Q8_0: exact
+        ("int8-g32", True),  # --weights int8, a kept Q8_0 / Q6_K
+        ("int8", True),  # per row: the op keeps the exact products (no lanes for it)
         ("bf16", False),
         (None, False),
     ],
 )
-def test_only_decode_graphs_of_coarse_formats_call_the_integer_ops(stored, integer):
+def test_only_decode_graphs_of_integer_formats_call_the_integer_ops(stored, integer):
     lin = Linear(64, 32, bias=False, dtype=torch.float32, kernels=True)
     torch.nn.init.normal_(lin.weight)
     if stored:

@@ -75,12 +75,17 @@ def gguf_file(tmp_path_factory):
 
 
 @pytest.mark.parametrize("type_name", sorted(KEPT))
-def test_every_kept_type_is_stored_bit_exact(type_name, gguf_file):
+def test_every_kept_type_is_stored_bit_exact(type_name, gguf_file, monkeypatch):
+    from nxdc.weights import gguf_source
+
     t = gguf_file[type_name]
     assert tuple(int(d) for d in t.shape) == (512, 6)
     ref = reference(t)
     got = GGUFTensor(t, None).with_params().read()
     assert got.shape == (6, 512, 3)
+    monkeypatch.setattr(gguf_source, "CHUNK_WEIGHTS", 4 * 512)  # read 4 rows at a time: 2 chunks
+    assert torch.equal(GGUFTensor(t, None).with_params().read(), got)
+    assert torch.equal(GGUFTensor(t, None).with_params().read(slice(1, 6)), got[1:])
     w, s, m = got.unbind(-1)
     assert torch.equal(w, ref)
     fmt = kept_format(type_name)

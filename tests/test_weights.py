@@ -119,8 +119,8 @@ def test_half_dtype_takes_the_kernels_tiny(dtype):
 @pytest.mark.slow
 def test_smollm2_accuracy_budget():
     """The budget, on the fixed evaluation text: fp16/bf16 within a logit tolerance and
-    near-perfect top-1 agreement; int8 top-1 >= 97% and perplexity within 2% of fp32; int4 top-1
-    >= 90% and perplexity within 5%."""
+    near-perfect top-1 agreement; int8 (groups of 32) top-1 >= 99% and perplexity within 2% of
+    fp32; int4 top-1 >= 90% and perplexity within 5%."""
     from nxdc.accuracy import measure_formats
     from nxdc.plan import ExportOptions
 
@@ -133,20 +133,20 @@ def test_smollm2_accuracy_budget():
     print(json.dumps(res, indent=1))
     assert res["fp16"]["max_abs_logit_error"] < 0.1 and res["fp16"]["top1_agreement"] >= 0.99
     assert res["bf16"]["max_abs_logit_error"] < 1.0 and res["bf16"]["top1_agreement"] >= 0.97
-    assert res["int8"]["top1_agreement"] >= 0.97  # groups of 32: 98.3% (per row: 95.6%)
+    assert res["int8"]["top1_agreement"] >= 0.99  # groups of 32: 99.3% (per row: 95.6%)
     assert abs(res["int8"]["perplexity_ratio"] - 1) <= 0.02
     # int4 (asymmetric, g32) re-finds the Q4_1 grid the embedded SmolLM2 was stored on
     assert res["int4"]["top1_agreement"] >= 0.9 and abs(res["int4"]["perplexity_ratio"] - 1) <= 0.05
     for fmt, r in res.items():  # > 0: the format really is in use; int4 holds the Q4_1 values exactly
         assert r["tokens"] > 200 and (r["max_abs_logit_error"] == 0.0) == (fmt == "int4"), (fmt, r)
-    # decode's int8 activations (--decode-matmul int8 here, VNNI CPUs): int4 layers only, same budget
-    assert ("decode" in res["int4"]) == VNNI and not any("decode" in r for f, r in res.items() if f != "int4")
-    if VNNI:
-        d = res["int4"]["decode"]  # measured 98.3% top-1, perplexity +0.02%
+    # decode's int8 activations (--decode-matmul int8 here, VNNI CPUs): every integer format,
+    # within its budget's perplexity, top-1 at most 4 points below (measured: int8 96.6%, int4 97.6%)
+    assert all(("decode" in r) == (VNNI and f in ("int8", "int4")) for f, r in res.items()), res
+    for fmt, ppl in (("int8", 0.02), ("int4", 0.05)) if VNNI else ():
+        d = res[fmt]["decode"]
+        assert d["top1_agreement"] >= 0.96 and d["max_abs_logit_error"] > 0, (fmt, d)
         assert (
-            d["top1_agreement"] >= 0.9
-            and abs(d["perplexity_ratio"] - 1) <= 0.05
-            and d["max_abs_logit_error"] > 0
+            abs(d["perplexity_ratio"] - 1) <= ppl and d["top1_agreement"] >= res[fmt]["top1_agreement"] - 0.04
         )
 
 
@@ -165,7 +165,7 @@ def smollm2_int8_export(cache_dir, tmp_path_factory):
 def test_smollm2_int8_export_matches_eager_int8(smollm2_int8_export, smollm2_export):
     """The compiled int8 graphs compute what the eager int8 model computes (the accuracy
     budget above is measured eagerly), the file holds int8, and greedy text stays close to
-    fp32's (reported, not asserted token for token: int8 may take the other side of a near-tie)."""
+    fp32's: 32 tokens identical on some prompts (int8 may take the other side of a near-tie)."""
     from parity import max_error, nxdc_logits
     from safetensors import safe_open
     from safetensors.torch import load_file
@@ -203,14 +203,16 @@ def test_smollm2_int8_export_matches_eager_int8(smollm2_int8_export, smollm2_exp
     )
 
     ref = Runner.load(smollm2_export)
-    agree = total = 0
+    same = []  # greedy's first 32 tokens identical to fp32's, prompt by prompt
     for p in PROMPTS:
-        a = generate(sess, tok, [p], max_new_tokens=24, chat=True, eos_ids=set()).sequences[0].token_ids
-        b = generate(ref, tok, [p], max_new_tokens=24, chat=True, eos_ids=set()).sequences[0].token_ids
-        agree += next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
-        total += len(a)
-    print(f"int8 greedy: {agree}/{total} tokens before the first divergence from fp32")
-    assert agree > 0
+        a = generate(sess, tok, [p], max_new_tokens=32, chat=True, eos_ids=set()).sequences[0].token_ids
+        b = generate(ref, tok, [p], max_new_tokens=32, chat=True, eos_ids=set()).sequences[0].token_ids
+        same.append(a == b)
+    print(f"int8 greedy: 32 tokens identical to fp32's on {sum(same)} of {len(same)} prompts")
+    # measured 1 of 4: the haiku prompt's third token is a near-tie (fp32 margin 0.008) that bf16
+    # weights flip too; the planets and robot prompts leave fp32's text at tokens 7 and 9 (bf16
+    # and int8-g16 keep all 32 there)
+    assert sum(same) >= 1, same
 
 
 def _prefill_logits_of(model, ids: torch.Tensor) -> torch.Tensor:

@@ -176,8 +176,9 @@ class Linear(nn.Module):
 
     def _integer(self) -> bool:
         """Whether this call, in a decode / verify graph, multiplies int8-quantized activations
-        (``decode_matmuls``): the coarse formats, whose weights are grouped."""
-        return _MATMULS.get() == "int8" and self.fmt is not None and self._coarse()
+        (``decode_matmuls``): every integer format (the op itself keeps the exact products for
+        layouts it has no lanes for: per-row int8, int4 groups of 96...)."""
+        return _MATMULS.get() == "int8" and self.fmt is not None and self.fmt.quantized
 
     def _coarse(self) -> bool:
         """Weights much coarser than the activations' rounding: int4 (16 levels) and int8 with a

@@ -18,7 +18,7 @@ from nxdc.cache.keys import digest
 from nxdc.cache.store import default_root
 from nxdc.errors import UnsupportedError, UserInputError
 from nxdc.weights.gguf_index import read_index
-from nxdc.weights.gguf_quant import expanded_params
+from nxdc.weights.gguf_quant import CHUNK_WEIGHTS, expanded_params
 
 
 def converted_metadata(path: Path, cache_root: Path | None = None) -> Path:
@@ -96,17 +96,31 @@ class GGUFTensor:
         rows = rows or slice(0, self.shape[0])
         a, b, _ = rows.indices(self.shape[0])
         data = self._t.data if len(self.shape) == 1 else self._t.data[a:b]
-        arr = np.ascontiguousarray(dequantize(data, self._t.tensor_type))
-        arr = arr.reshape(self.shape if len(self.shape) == 1 else (b - a, *self.shape[1:]))
         if self._params:
-            s, m = expanded_params(self.type_name, np.asarray(data), self.shape[1])
-            arr = np.stack([arr, s, m], axis=-1)
+            arr = self._with_params(np.asarray(data))
+        else:
+            arr = np.ascontiguousarray(dequantize(data, self._t.tensor_type))
+            arr = arr.reshape(self.shape if len(self.shape) == 1 else (b - a, *self.shape[1:]))
         w = torch.from_numpy(arr if arr.flags.writeable else arr.copy())
         if self._head_rows:
             if a % self._head_rows or b % self._head_rows:
                 raise ValueError(f"{self._t.name}: rows {a}:{b} split a head")
             w = unpermute(w, (b - a) // self._head_rows)
         return w
+
+    def _with_params(self, data: np.ndarray) -> np.ndarray:
+        """Raw rows -> ``[rows, K, 3]`` fp32 (value, scale, min), filled ~4M weights at a time
+        (whole-tensor temporaries held an 8B embedding's values four times over: 3.2 GB)."""
+        from gguf.quants import dequantize
+
+        k = self.shape[1]
+        out = np.empty((data.shape[0], k, 3), np.float32)
+        step = max(1, CHUNK_WEIGHTS // k)
+        for r in range(0, data.shape[0], step):
+            part = data[r : r + step]
+            out[r : r + step, :, 0] = dequantize(part, self._t.tensor_type).reshape(-1, k)
+            out[r : r + step, :, 1], out[r : r + step, :, 2] = expanded_params(self.type_name, part, k)
+        return out
 
 
 def iter_gguf(path: Path, spec) -> Iterator[tuple[str, GGUFTensor]]:
