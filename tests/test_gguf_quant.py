@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from cpu_paths import VNNI
 
 from nxdc.model.sharding import HEAD_COLS, Q_HEADS, shard_layout
 from nxdc.model.weight_format import WeightFormat
@@ -29,9 +30,11 @@ F16_FIELDS = {
 }
 
 
-def random_tensor(type_name: str, rows: int, k: int, seed: int) -> IndexedTensor:
+def random_tensor(
+    type_name: str, rows: int, k: int, seed: int, magnitude: float | None = None
+) -> IndexedTensor:
     """A GGUF tensor [rows, k] of random valid blocks (random quants and scale bits, finite fp16
-    fields of assorted magnitudes and signs)."""
+    fields of assorted magnitudes and signs; or of about ``magnitude``)."""
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
     qtype = GGMLQuantizationType[type_name]
@@ -39,9 +42,8 @@ def random_tensor(type_name: str, rows: int, k: int, seed: int) -> IndexedTensor
     rng = np.random.default_rng(seed)
     blocks = rng.integers(0, 256, size=(rows * k // block, size), dtype=np.uint8)
     for at in F16_FIELDS[type_name]:
-        vals = (rng.standard_normal(blocks.shape[0]) * 10.0 ** rng.integers(-4, 1, blocks.shape[0])).astype(
-            np.float16
-        )
+        mag = magnitude if magnitude else 10.0 ** rng.integers(-4, 1, blocks.shape[0])
+        vals = (rng.standard_normal(blocks.shape[0]) * mag).astype(np.float16)
         vals[::7] = 0  # some all-zero scales
         blocks[:, at : at + 2] = vals.view(np.uint8).reshape(-1, 2)
     data = blocks.reshape(rows, k // block * size)
@@ -179,6 +181,94 @@ def test_scales_follow_tensor_parallel_cuts_and_head_permutation():
     w, s, m = GGUFTensor(t, None).with_params().read().unbind(-1)
     with pytest.raises(AssertionError, match="change within a 32-weight group"):
         requantize(w[:, 16:240], s[:, 16:240], m[:, 16:240], fmt, "cut")
+
+
+# A Q4_K_M file's layout (llama.cpp's choice of type per tensor), for a 2-layer Llama
+KQUANT_LAYER = {
+    "attn_q": ("Q4_K", 256, 256),
+    "attn_k": ("Q4_K", 128, 256),
+    "attn_v": ("Q6_K", 128, 256),
+    "attn_output": ("Q4_K", 256, 256),
+    "ffn_gate": ("Q4_K", 512, 256),
+    "ffn_up": ("Q4_K", 512, 256),
+    "ffn_down": ("Q6_K", 256, 512),
+}
+
+
+@pytest.fixture(scope="module")
+def kquant_gguf(tmp_path_factory):
+    """A 2-layer Llama GGUF (hidden 256, FFN 512, 4 / 2 heads, the embedding tied to the output)
+    of random K-quant blocks laid out as in a Q4_K_M file, with the embedded SmolLM2's tokenizer
+    metadata."""
+    from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
+
+    from nxdc.weights.sources import embedded_path
+
+    shape = {
+        "llama.block_count": 2,
+        "llama.embedding_length": 256,
+        "llama.feed_forward_length": 512,
+        "llama.attention.head_count": 4,
+        "llama.attention.head_count_kv": 2,
+        "llama.rope.dimension_count": 64,
+        "llama.context_length": 512,
+    }
+    src = GGUFReader(str(embedded_path("smollm2-135m")))
+    vocab = len(src.fields["tokenizer.ggml.tokens"].data)
+    path = tmp_path_factory.mktemp("kquant") / "tiny-Q4_K_M.gguf"
+    w = GGUFWriter(str(path), "llama")
+    for f in src.fields.values():
+        if not f.name.startswith("GGUF.") and f.name != "general.architecture":
+            w.add_key_value(
+                f.name, shape.get(f.name, f.contents()), f.types[0], f.types[1] if len(f.types) > 1 else None
+            )
+    tensors = {"token_embd.weight": ("Q4_K", vocab, 256), "output_norm.weight": None}
+    for i in range(2):
+        tensors |= {f"blk.{i}.{n}.weight": t for n, t in KQUANT_LAYER.items()}
+        tensors |= {f"blk.{i}.attn_norm.weight": None, f"blk.{i}.ffn_norm.weight": None}
+    for seed, (name, t) in enumerate(tensors.items()):
+        if t is None:  # a norm
+            w.add_tensor(name, np.ones(256, np.float32))
+            continue
+        r = random_tensor(t[0], t[1], t[2], seed, magnitude=2e-4)
+        w.add_tensor(name, r.data, raw_dtype=GGMLQuantizationType[t[0]])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_kquant_gguf_kept_as_stored_gives_the_dequantized_logits(kquant_gguf):
+    """A Q4_K_M-shaped file with ``--weights auto``: its Q4_K / Q6_K tensors (and the fused q/k/v
+    that mixes them) are kept, and the model's logits equal those of its fp32 export (the file
+    dequantized) within fp32 rounding, with exact products and (decode) int8 activations' own
+    numerics reported; at tp 2 every rank's cut still falls on a group boundary."""
+    from nxdc.accuracy import measure_formats
+    from nxdc.pipeline import prepare
+    from nxdc.plan import ExportOptions
+
+    plan = prepare(str(kquant_gguf), ExportOptions(sequence_length=128, weights="auto"))[3]
+    layer = {
+        k.partition(".")[2].partition(".")[2]: v
+        for k, v in plan.weight_map.items()
+        if k.startswith("layers.0.")
+    }
+    assert layer == {
+        "self_attn.qkv_proj": "int8-asym-g16",  # Q4_K q, k with a Q6_K v
+        "self_attn.o_proj": "int4-asym-g32",
+        "mlp.gate_up_proj": "int4-asym-g32",
+        "mlp.down_proj": "int8-g16",
+    }
+    assert plan.weight_map["embed_tokens"] == plan.weight_map["lm_head"] == "int4-asym-g32"
+    tp2 = prepare(str(kquant_gguf), ExportOptions(sequence_length=128, weights="auto", tp=2))[3]
+    assert tp2.weight_map == plan.weight_map
+    (r,) = measure_formats(
+        str(kquant_gguf), ExportOptions(sequence_length=128, decode_matmul="int8"), ["auto"]
+    )
+    assert r["tokens"] > 100 and r["top1_agreement"] == 1.0 and r["max_abs_logit_error"] < 1e-3, r
+    if VNNI:  # every layer on int8 activations: close, not equal
+        assert 0 < r["decode"]["max_abs_logit_error"] and r["decode"]["top1_agreement"] >= 0.9, r["decode"]
 
 
 @pytest.mark.slow
