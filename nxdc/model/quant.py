@@ -57,7 +57,7 @@ def quantize_int8(w: torch.Tensor, group_size: int | None = None) -> tuple[torch
         q[r : r + step] = torch.round(wg / safe).clamp_(-QMAX, QMAX).reshape(-1, k).to(torch.int8)
         scale[r : r + step] = s
     if group_size is None:
-        scale = scale.reshape(n)
+        scale = scale.reshape(n) if k else torch.zeros(n)
     return q, scale
 
 

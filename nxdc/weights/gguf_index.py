@@ -10,6 +10,7 @@ once per file, by ``nxdc.weights.sources``."""
 
 from __future__ import annotations
 
+import mmap
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,6 +86,24 @@ def _tensor_infos(path: Path, c: _Cursor) -> tuple[list[tuple[str, list[int], in
         dims = [c.take("Q") for _ in range(c.take("I"))]
         infos.append((name, dims, GGMLQuantizationType(c.take("I")), c.take("Q")))
     return infos, -(-c.pos // alignment) * alignment
+
+
+def release(view: np.ndarray) -> None:
+    """Drop the whole pages under ``view`` (a slice of a file ``read_index`` mapped) from this
+    process's resident set; touched again, they come back from the page cache. Otherwise every
+    source tensor an export has converted stays counted in its RSS to the end (an 8B Q4_K_M
+    file: 4.2 GB)."""
+    root = view
+    while isinstance(root.base, np.ndarray):
+        root = root.base
+    mm = root.base
+    if not isinstance(mm, mmap.mmap) or not hasattr(mm, "madvise") or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    page = mmap.PAGESIZE
+    start = view.ctypes.data - root.ctypes.data
+    lo, hi = -(-start // page) * page, (start + view.nbytes) // page * page
+    if hi > lo:
+        mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
 
 
 def read_index(path: Path) -> list[IndexedTensor]:

@@ -17,7 +17,7 @@ from nxdc.archs import get_arch
 from nxdc.cache.keys import digest
 from nxdc.cache.store import default_root
 from nxdc.errors import UnsupportedError, UserInputError
-from nxdc.weights.gguf_index import read_index
+from nxdc.weights.gguf_index import read_index, release
 from nxdc.weights.gguf_quant import CHUNK_WEIGHTS, expanded_params
 
 
@@ -102,6 +102,8 @@ class GGUFTensor:
             arr = np.ascontiguousarray(dequantize(data, self._t.tensor_type))
             arr = arr.reshape(self.shape if len(self.shape) == 1 else (b - a, *self.shape[1:]))
         w = torch.from_numpy(arr if arr.flags.writeable else arr.copy())
+        if len(self.shape) > 1:
+            release(data)  # converted: its source pages need not stay resident
         if self._head_rows:
             if a % self._head_rows or b % self._head_rows:
                 raise ValueError(f"{self._t.name}: rows {a}:{b} split a head")
