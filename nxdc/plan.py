@@ -23,7 +23,7 @@ KV_FORMATS = ("fp32", "fp16", "bf16")
 # the default): on bf16 tiles (activations and weights rounded to bf16: model/layers.py
 # Linear._tiled, kernels/prefill.cpp), or with the decode kernels' exact fp32 products.
 PREFILL_MATMULS = ("tiles", "exact")
-# How the decode and verify graphs multiply int4 weights (and a GGUF's K-quant int8 layers) on
+# How the decode and verify graphs multiply integer weights (int4, int8, a GGUF's kept quants) on
 # CPUs with AVX-512 VNNI (the first is the default): with exact fp32 products, or on activations
 # quantized to int8, 32 per scale, with integer dot products (model/layers.py Linear._integer,
 # kernels/decode_q8.cpp: llama.cpp's numerics, decode up to 2x faster at size, greedy text no

@@ -70,8 +70,8 @@ FLAGS = {
         PREFILL_MATMULS[0],
     ),
     "decode_matmul": Flag(
-        f"{' | '.join(DECODE_MATMULS)}: how decode and verify graphs multiply int4 weights (and a GGUF's "
-        "K-quant int8 layers) on CPUs with AVX-512 VNNI. exact: fp32 products; int8: activations "
+        f"{' | '.join(DECODE_MATMULS)}: how decode and verify graphs multiply integer weights (int4, "
+        "int8, a GGUF's kept quants) on CPUs with AVX-512 VNNI. exact: fp32 products; int8: activations "
         "quantized to int8, 32 per scale, integer dot products as llama.cpp does (decode up to 2x "
         "faster at size; text may differ from transformers' after a near-tie: docs/weights.md).",
         DECODE_MATMULS[0],

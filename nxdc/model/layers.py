@@ -61,9 +61,9 @@ def prefill_matmuls(tiles: bool = True):
 
 
 def decode_matmuls(int8: bool = True):
-    """With ``int8``, kernel Linears of int4 weights and a GGUF's K-quant int8 layers
-    (``Linear._coarse``) call the integer ops within it: activations quantized to int8, 32 per
-    scale, VNNI dot products (kernels/decode_q8.cpp). The decode and verify graphs trace their
+    """With ``int8``, kernel Linears of every integer format (``Linear._integer``) call the
+    integer ops within it: activations quantized to int8, 32 per scale, VNNI dot products
+    (kernels/decode_q8.cpp). The decode and verify graphs trace their
     forward inside it (the plan's ``--decode-matmul``); both ops keep every row's bits whatever M,
     so a verify row equals a decode row."""
     return _matmuls("int8" if int8 else None)
@@ -181,11 +181,11 @@ class Linear(nn.Module):
         return _MATMULS.get() == "int8" and self.fmt is not None and self.fmt.quantized
 
     def _coarse(self) -> bool:
-        """Weights much coarser than the activations' rounding: int4 (16 levels) and int8 with a
-        min per group (only a GGUF K-quant's 5-6-bit tensors load so: Q5_K, Q6_K). ``--weights
-        int8`` (and a kept Q8_0), fp16 and ``--weights bf16`` keep their exact fp32 products: bf16
-        rounding moved SmolLM2 int8's prefill logits by 0.13 (the compiled-vs-eager budget is
-        2e-3), and their prompts and decode already beat llama.cpp's (docs/performance.md)."""
+        """Weights much coarser than bf16 tiles' rounding (``_tiled``): int4 (16 levels) and int8
+        with a min per group (only a GGUF K-quant's 5-6-bit tensors load so: Q5_K, Q6_K).
+        ``--weights int8`` (and a kept Q8_0), fp16 and ``--weights bf16`` keep exact fp32 prompt
+        products: bf16 rounding moved SmolLM2 int8's prefill logits by 0.13 (the compiled-vs-eager
+        budget is 2e-3), and their prompts already beat llama.cpp's (docs/performance.md)."""
         f = self.fmt
         return f.kind == "int4" or (f.kind == "int8" and f.asym)
 
