@@ -31,3 +31,14 @@ NO_TILES = "CPU without AMX: prefill takes the exact kernels"
 # decode's integer products (kernels/decode_q8.cpp): AVX-512 VNNI, not turned off
 VNNI = _AVX512 and "avx512_vnni" in cpu_flags() and os.environ.get("NXDC_DECODE_Q8") != "0"
 NO_VNNI = "CPU without AVX-512 VNNI: decode takes the exact kernels"
+
+
+def traced_code(module, x, matmuls=None) -> str:
+    """The code of ``module`` exported on ``x``, inside ``matmuls`` (``decode_matmuls()`` /
+    ``prefill_matmuls()``: which ops a graph of that kind calls) or outside any."""
+    import contextlib
+
+    import torch
+
+    with matmuls if matmuls is not None else contextlib.nullcontext():
+        return torch.export.export(module, (x,), strict=False).graph_module.code

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cpu_paths import NO_VNNI, VNNI
+from cpu_paths import NO_VNNI, VNNI, traced_code
 from test_kernels import make  # (op arguments, dequantised weight) per format name
 
 from nxdc.kernels import cpu_supported, ensure_loaded
@@ -130,13 +130,6 @@ def test_bad_arguments_raise_the_exact_ops_errors(args, message):
         torch.ops.nxdc.linear_q8(*args)
 
 
-def _traced(lin: Linear, x: torch.Tensor, decode: bool) -> str:
-    if not decode:
-        return torch.export.export(lin, (x,), strict=False).graph_module.code
-    with decode_matmuls():
-        return torch.export.export(lin, (x,), strict=False).graph_module.code
-
-
 @pytest.mark.parametrize(
     "stored, integer",
     [
@@ -155,5 +148,5 @@ def test_only_decode_graphs_of_integer_formats_call_the_integer_ops(stored, inte
     if stored:
         lin.store_as(stored)
     x = torch.randn(2, 1, 64)
-    assert ("nxdc.linear_q8" in _traced(lin, x, decode=True)) == integer
-    assert "nxdc.linear_q8" not in _traced(lin, x, decode=False)
+    assert ("nxdc.linear_q8" in traced_code(lin, x, decode_matmuls())) == integer
+    assert "nxdc.linear_q8" not in traced_code(lin, x)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cpu_paths import NO_TILES, TILES
+from cpu_paths import NO_TILES, TILES, traced_code
 from test_kernels import make  # (op arguments, dequantised weight) per format name
 
 from nxdc.kernels import cpu_supported, ensure_loaded
@@ -122,13 +122,6 @@ def test_bad_arguments_raise_the_exact_ops_errors(args, message):
         torch.ops.nxdc.prefill_linear(*args)
 
 
-def _traced(lin: Linear, x: torch.Tensor, prefill: bool) -> str:
-    if not prefill:
-        return torch.export.export(lin, (x,), strict=False).graph_module.code
-    with prefill_matmuls():
-        return torch.export.export(lin, (x,), strict=False).graph_module.code
-
-
 @pytest.mark.parametrize(
     "dtype, stored, tiled",
     [
@@ -148,8 +141,8 @@ def test_only_prefill_graphs_call_the_tile_ops(dtype, stored, tiled):
     if stored:
         lin.store_as(stored)
     x = torch.randn(2, 20, 64, dtype=dtype)
-    assert ("nxdc.prefill_linear" in _traced(lin, x, prefill=True)) == tiled
-    assert "nxdc.prefill_linear" not in _traced(lin, x, prefill=False)
+    assert ("nxdc.prefill_linear" in traced_code(lin, x, prefill_matmuls())) == tiled
+    assert "nxdc.prefill_linear" not in traced_code(lin, x)
 
 
 @pytest.mark.parametrize("fmt", ["i8min", "i4asym"])
