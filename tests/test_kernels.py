@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from nxdc.kernels import cpu_supported, ensure_loaded
 from nxdc.model.quant import (
+    SCALE_STEPS,
     dequantize_int4,
     dequantize_int8,
     pack_int4,
@@ -414,15 +415,25 @@ def test_quantize_int8_round_trip():
         assert bool((err <= sx.double() * (0.5 + 127 * 2.0**-23) + 1e-12).all())
         assert torch.equal(q[3], torch.zeros(576, dtype=torch.int8))
         assert float(s[3].abs().max()) == 0.0
-        # a row reaches +-127 unless it is zero; a group 125..127 (its scale max|w| / (127 - t))
+        # a row reaches +-127 unless it is zero; a group 127 - t (its scale max|w| / (127 - t))
         qa = q.abs().reshape(37, -1, 576 if g is None else g).amax(-1)
-        assert bool(((qa >= (127 if g is None else 125)) | (s == 0).reshape(qa.shape)).all())
+        low = 127 if g is None else 127 - max(SCALE_STEPS)
+        assert bool(((qa >= low) | (s == 0).reshape(qa.shape)).all())
         if g is not None:  # never more squared error than Q8_0's max|w| / 127, less in some groups
             wg = w.reshape(37, -1, g)
             q8_0 = wg.abs().amax(-1, keepdim=True) / 127
             base = (torch.round(wg / q8_0.clamp_min(1e-30)) * q8_0 - wg).square().sum(-1)
             ours = (dequantize_int8(q, s) - w).reshape(37, -1, g).square().sum(-1)
             assert bool((ours <= base * (1 + 1e-5)).all()) and bool((ours < base * 0.99).any())
+            # and the least of every step's error, each formed directly from w / scale
+            amax = wg.abs().amax(-1, keepdim=True).clamp_min(1e-30)
+            steps = torch.stack(
+                [
+                    (torch.round(wg / (amax / (127 - t))) * (amax / (127 - t)) - wg).square().sum(-1)
+                    for t in SCALE_STEPS
+                ]
+            )
+            assert bool((ours <= steps.amin(0) * (1 + 1e-5) + 1e-30).all())
 
 
 def test_quantize_int8_by_row_chunks(monkeypatch):

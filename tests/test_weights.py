@@ -140,7 +140,7 @@ def test_smollm2_accuracy_budget():
     for fmt, r in res.items():  # > 0: the format really is in use; int4 holds the Q4_1 values exactly
         assert r["tokens"] > 200 and (r["max_abs_logit_error"] == 0.0) == (fmt == "int4"), (fmt, r)
     # decode's int8 activations (--decode-matmul int8 here, VNNI CPUs): every integer format,
-    # within its budget's perplexity, top-1 at most 4 points below (measured: int8 96.6%, int4 97.6%)
+    # within its budget's perplexity, top-1 at most 4 points below (measured: int8 96.3%, int4 97.6%)
     assert all(("decode" in r) == (VNNI and f in ("int8", "int4")) for f, r in res.items()), res
     for fmt, ppl in (("int8", 0.02), ("int4", 0.05)) if VNNI else ():
         d = res[fmt]["decode"]
@@ -209,10 +209,10 @@ def test_smollm2_int8_export_matches_eager_int8(smollm2_int8_export, smollm2_exp
         b = generate(ref, tok, [p], max_new_tokens=32, chat=True, eos_ids=set()).sequences[0].token_ids
         same.append(a == b)
     print(f"int8 greedy: 32 tokens identical to fp32's on {sum(same)} of {len(same)} prompts")
-    # measured 1 of 4: the haiku prompt's third token is a near-tie (fp32 margin 0.008) that bf16
-    # weights flip too; the planets and robot prompts leave fp32's text at tokens 7 and 9 (bf16
-    # and int8-g16 keep all 32 there)
-    assert sum(same) >= 1, same
+    # measured 3 of 4 (the least-error scale over t in 0..32; 1 of 4 with t in 0..2): the haiku
+    # prompt's third token is a near-tie (fp32 margin 0.008) that bf16 weights flip too. The
+    # target: 2 of 3 prompts; over 20 chat prompts int8 keeps about half (bench/int8_scales.py)
+    assert sum(same) >= 3, same
 
 
 def _prefill_logits_of(model, ids: torch.Tensor) -> torch.Tensor:
