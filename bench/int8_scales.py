@@ -4,15 +4,16 @@ products' numerics) for several ``SCALE_STEPS`` ranges, against fp32. transforme
 models (it is the reference implementation; nxdc's own eager path is what
 ``nxdc.accuracy.measure_formats`` measures on the shorter fixed text).
 
-Reported per range: the weights' relative squared error, and on Gaussian and Laplace weights of
-the 8B shape's FFN width; mean next-token KL to fp32 and top-1 agreement over ~6000 tokens of
-the Python standard library's module docstrings (12 chunks of 512 tokens, teacher-forced); and
-how many of 20 chat prompts keep fp32's first 32 greedy tokens, with where the others part.
+Reported per range: the weights' relative squared error, and on Gaussian and Laplace weights
+of the 8B shape's FFN width; mean next-token KL to fp32 and top-1 agreement over the Python
+standard library's module docstrings, teacher-forced in chunks of 512 tokens (at most 12;
+Python 3.11's give 8: 4096 tokens); and how many of 20 chat prompts keep fp32's first 32 greedy
+tokens, with where the others part.
 
-    .venv/bin/python bench/int8_scales.py [--widths 0,2,16,24,32,48]
+    .venv/bin/python bench/int8_scales.py [--widths 0,2h,16,24,32,48]
 
-A width W searches ``t`` in 0..W (``max|w| / (127 - t)``); 2 with half steps was the search
-before 2026-12-07's. Prints a Markdown table."""
+A width W searches ``t`` in 0, 1, ..., W (``max|w| / (127 - t)``); ``2h`` is 0, 0.5, ..., 2, the
+search that 0..32 replaced. Prints a Markdown table."""
 
 from __future__ import annotations
 
