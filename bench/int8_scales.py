@@ -70,6 +70,7 @@ def quantized(w: torch.Tensor, steps: tuple) -> torch.Tensor:
 def synthetic_error(steps: tuple) -> list[float]:
     g = torch.Generator().manual_seed(0)
     w = torch.randn(2048, 14336, generator=g)
+    torch.manual_seed(0)  # Laplace samples from the global generator
     lap = torch.distributions.Laplace(0.0, 1.0).sample((2048, 14336))
     return [float((quantized(x, steps) - x).square().sum() / x.square().sum()) for x in (w, lap)]
 
