@@ -6,7 +6,6 @@ request past --request-timeout ends its stream with an error event, and SIGTERM 
 from __future__ import annotations
 
 import asyncio
-import statistics
 import threading
 import time
 
@@ -145,6 +144,10 @@ def test_disconnected_streams_free_their_rows(server):
 
 
 def test_health_answers_during_a_long_prefill(server):
+    """/health is answered while the engine prefills: many answers fall strictly between two
+    /slots reads that both show the long prompt still prefilling. An HTTP loop blocked by the
+    prefill could answer none there (or one per prefill chunk). An ordering check, not a time
+    bound, so a loaded machine cannot fail it."""
     prompt = " ".join(["The quick brown fox jumps over the lazy dog."] * 100)  # ~1,000 tokens
     result = {}
 
@@ -152,21 +155,24 @@ def test_health_answers_during_a_long_prefill(server):
         r = httpx.post(server.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 4}, timeout=120)
         result["r"] = r
 
+    def prefilling(c: httpx.Client) -> bool:
+        slots = c.get("/slots").json()["slots"]
+        return any(s["state"] == "prefilling" and s["prompt_tokens"] >= 950 for s in slots)
+
     t = threading.Thread(target=long_request)
     t.start()
-    lat = []
-    with httpx.Client(base_url=server.url) as c:
+    inside = answered = 0
+    with httpx.Client(base_url=server.url, timeout=60) as c:
         while t.is_alive():
-            t0 = time.perf_counter()
+            before = prefilling(c)
             assert c.get("/health").status_code == 200
-            lat.append(time.perf_counter() - t0)
-            time.sleep(0.01)
+            answered += 1
+            inside += before and prefilling(c)
+            time.sleep(0.01)  # leave the engine its cores
     t.join()
     assert result["r"].status_code == 200, result["r"].text
     assert result["r"].json()["usage"]["prompt_tokens"] >= 950
-    assert len(lat) >= 30, len(lat)  # the prefill took a while, /health was asked throughout
-    p99 = statistics.quantiles(lat, n=100)[98]
-    assert p99 < 0.05, (p99, max(lat))
+    assert inside >= 10, (inside, answered)  # answered throughout the prefill, not after it
 
 
 async def _until(c: httpx.AsyncClient, ok, timeout: float = 60.0) -> dict:
