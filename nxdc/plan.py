@@ -19,10 +19,12 @@ from nxdc.spec import ModelSpec
 DTYPES = ("fp32", "bf16")
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 KV_FORMATS = ("fp32", "fp16", "bf16")
-# How the prefill graphs multiply int4 and --dtype bf16 weights on CPUs with AMX (the first is
-# the default): on bf16 tiles (activations and weights rounded to bf16: model/layers.py
-# Linear._tiled, kernels/prefill.cpp), or with the decode kernels' exact fp32 products.
-PREFILL_MATMULS = ("tiles", "exact")
+# How the prefill graphs multiply on CPUs with AMX (the first is the default): "tiles" puts int4,
+# a GGUF's K-quants and --dtype bf16 on bf16 tiles (activations and weights rounded to bf16:
+# model/layers.py Linear._tiled, kernels/prefill.cpp); "tiles-int8" int8 weights with one scale
+# a group or row too (--weights int8, int8-row, a kept Q8_0; their activations go in as two bf16
+# parts); "exact" keeps the decode kernels' exact fp32 products for every format.
+PREFILL_MATMULS = ("tiles", "exact", "tiles-int8")
 # How the decode and verify graphs multiply integer weights (int4, int8, a GGUF's kept quants) on
 # CPUs with AVX-512 VNNI (the first is the default): with exact fp32 products, or on activations
 # quantized to int8, 32 per scale, with integer dot products (model/layers.py Linear._integer,
@@ -59,7 +61,7 @@ class ExportOptions:
     backend: str = "inductor"
     kv_update: str | None = None  # in-place | functional (default: the backend's first, its RULES)
     device: str = "cpu"
-    prefill_matmul: str | None = None  # tiles | exact (default tiles): PREFILL_MATMULS
+    prefill_matmul: str | None = None  # tiles | exact | tiles-int8 (default tiles): PREFILL_MATMULS
     decode_matmul: str | None = None  # exact | int8 (default exact): DECODE_MATMULS
 
     @classmethod

@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from cpu_paths import VNNI
+from cpu_paths import TILES, VNNI
 from typer.testing import CliRunner
 
 from nxdc.cli.main import app
@@ -168,13 +168,11 @@ def test_smollm2_int8_export_matches_eager_int8(smollm2_int8_export, smollm2_exp
     fp32's: 32 tokens identical on some prompts (int8 may take the other side of a near-tie)."""
     from parity import max_error, nxdc_logits
     from safetensors import safe_open
-    from safetensors.torch import load_file
     from test_smollm2 import PROMPTS
     from transformers import AutoTokenizer
 
     from nxdc.compile.trace import rank_weight_bytes
     from nxdc.generation.loop import encode_prompts, generate
-    from nxdc.model.decoder import Decoder
     from nxdc.runtime.runner import Runner
 
     d = smollm2_int8_export
@@ -188,15 +186,7 @@ def test_smollm2_int8_export_matches_eager_int8(smollm2_int8_export, smollm2_exp
     tok = AutoTokenizer.from_pretrained(d)
     ids = torch.tensor([encode_prompts(tok, [PROMPTS[0]], chat=True)[0] + [504, 3458, 282, 4649, 314]])
     n = ids.shape[1] - 5
-    eager = Decoder(
-        sess.spec, 1, 128, torch.float32, weights="int8-g32", kernels=bool(ensure_loaded())
-    ).eval()
-    state = load_file(str(d / "weights" / "rank0.safetensors"))
-    state["lm_head.weight"], state["lm_head.scale"] = (
-        state["embed_tokens.weight"],
-        state["embed_tokens.scale"],
-    )
-    eager.load_state_dict(state, strict=False)
+    eager = _eager_of(d, sess.spec, "int8-g32")
     assert (
         max_error(_prefill_logits_of(eager, ids), nxdc_logits(sess.prefill, sess.decode, ids, [n]), [n])
         < 2e-3
@@ -215,12 +205,61 @@ def test_smollm2_int8_export_matches_eager_int8(smollm2_int8_export, smollm2_exp
     assert sum(same) >= 3, same
 
 
-def _prefill_logits_of(model, ids: torch.Tensor) -> torch.Tensor:
+@pytest.mark.slow
+def test_smollm2_int8_prompt_tiles(smollm2_int8_export, tmp_path_factory):
+    """``--prefill-matmul tiles-int8``: the int8 export's prompt graph on bf16 tiles (activations
+    as two bf16 parts, weights rounded to bf16) computes what the eager model computes in that
+    mode, and stays within the tiles' budget of the exact int8 prompt (0.5, as int4's)."""
+    from test_smollm2 import PROMPTS
+    from transformers import AutoTokenizer
+
+    from nxdc.generation.loop import encode_prompts
+    from nxdc.model.layers import prefill_matmuls
+    from nxdc.pipeline import run_export
+    from nxdc.plan import ExportOptions
+    from nxdc.runtime.runner import Runner
+
+    out = tmp_path_factory.mktemp("exports") / "smollm2-int8-tiles"
+    opts = ExportOptions(
+        batch_size=1, sequence_length=128, context_buckets=(64,), weights="int8", prefill_matmul="tiles-int8"
+    )
+    run_export("smollm2-135m", out, opts)
+    tiles, exact = Runner.load(out), Runner.load(smollm2_int8_export)
+    eager = _eager_of(out, tiles.spec, "int8-g32")
+    tok = AutoTokenizer.from_pretrained(out)
+    for p in PROMPTS:
+        ids = encode_prompts(tok, [p], chat=True)[0]
+        got, want = tiles.prefill([ids])[0].float(), exact.prefill([ids])[0].float()
+        with prefill_matmuls("tiles-int8"):  # the prompt's last position: its lm_head row is exact
+            ref = _prefill_logits_of(eager, torch.tensor([ids]), every_position=False)[0]
+        err, moved = float((got - ref).abs().max()), float((got - want).abs().max())
+        print(f"tiles-int8 prompt logits: {err:.2e} from eager tiles-int8, {moved:.3f} from exact")
+        assert err < 2e-3, err  # measured 1.9e-4 .. 4.7e-4
+        assert (moved > 0) == TILES and moved < 0.5, moved
+
+
+def _eager_of(export, spec, weights: str):
+    """The eager decoder of a tp 1 export's weights (its tied lm_head as the embedding)."""
+    from safetensors.torch import load_file
+
+    from nxdc.model.decoder import Decoder
+
+    eager = Decoder(spec, 1, 128, torch.float32, weights=weights, kernels=bool(ensure_loaded())).eval()
+    state = load_file(str(export / "weights" / "rank0.safetensors"))
+    state["lm_head.weight"], state["lm_head.scale"] = (
+        state["embed_tokens.weight"],
+        state["embed_tokens.scale"],
+    )
+    eager.load_state_dict(state, strict=False)
+    return eager
+
+
+def _prefill_logits_of(model, ids: torch.Tensor, every_position: bool = True) -> torch.Tensor:
     t = ids.shape[1]
     pos = torch.arange(t)
     mask = (pos.view(1, t) <= pos.view(t, 1)).view(1, 1, t, t)
     with torch.no_grad():
-        return model(ids, pos.view(1, t), mask, None, None, every_position=True)
+        return model(ids, pos.view(1, t), mask, None, None, every_position=every_position)
 
 
 def test_weights_option_validation(tiny_gqa, tmp_path):

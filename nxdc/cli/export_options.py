@@ -64,9 +64,10 @@ FLAGS = {
     "kv_update": Flag(BACKEND_HELP["kv_update"], "the backend's first"),
     "device": Flag(BACKEND_HELP["device"]),
     "prefill_matmul": Flag(
-        f"{' | '.join(PREFILL_MATMULS)}: how prompt graphs multiply int4 and --dtype bf16 weights on CPUs "
-        "with AMX. tiles: bf16 tiles, activations rounded to bf16 (prompts 3-6x faster); exact: fp32 "
-        "products as decode has them (docs/weights.md).",
+        f"{' | '.join(PREFILL_MATMULS)}: how prompt graphs multiply on CPUs with AMX. tiles: int4 and "
+        "--dtype bf16 weights on bf16 tiles, activations rounded to bf16 (prompts 3-6x faster); exact: "
+        "fp32 products as decode has them; tiles-int8: --weights int8 on the tiles too (activations in "
+        "two bf16 parts; greedy text may part from exact int8's: docs/weights.md).",
         PREFILL_MATMULS[0],
     ),
     "decode_matmul": Flag(

@@ -36,7 +36,7 @@ def meta_decoder(spec: ModelSpec, plan: ExportPlan, kernels: bool = False) -> De
             kv_dtype=TORCH_DTYPES[plan.kv_format],
             kernels=kernels,
             kv_update=plan.kv_update,
-            prefill_tiles=plan.prefill_matmul == "tiles",
+            prefill_matmul=plan.prefill_matmul,
             decode_int8=plan.decode_matmul == "int8",
         )
 

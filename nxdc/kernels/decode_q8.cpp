@@ -43,11 +43,8 @@
 namespace {
 
 bool vnni_available() {
-  static const bool yes = [] {
-    const char* e = std::getenv("NXDC_DECODE_Q8");
-    if (e && std::strcmp(e, "0") == 0) return false;
-    return nxdc_cpu::has_avx512() && __builtin_cpu_supports("avx512vnni");
-  }();
+  static const bool yes = !nxdc_cpu::turned_off("NXDC_DECODE_Q8") && nxdc_cpu::has_avx512() &&
+                          __builtin_cpu_supports("avx512vnni");
   return yes;
 }
 

@@ -73,6 +73,11 @@ bool has_avx512() {
   return yes;
 }
 
+bool turned_off(const char* name) {
+  const char* e = std::getenv(name);
+  return e && std::strcmp(e, "0") == 0;
+}
+
 // o[0..n) = silu(g) * u, 8 lanes at a time (also decode_q8.cpp's); a short tail goes through
 // the same vector code (padded), so every element's bits are the same wherever it sits.
 NXDC_AVX2 void silu_mul_row(const float* g, const float* u, float* o, int64_t n) {

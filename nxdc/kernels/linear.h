@@ -17,6 +17,8 @@ at::Tensor swiglu(const at::Tensor& x, const at::Tensor& w, const std::optional<
 
 namespace nxdc_cpu {
 bool has_avx512();
+// Whether the environment variable `name` is set to "0" (a path turned off).
+bool turned_off(const char* name);
 // o[0..n) = silu(g) * u, the same bits wherever an element sits
 void silu_mul_row(const float* g, const float* u, float* o, int64_t n);
 }  // namespace nxdc_cpu

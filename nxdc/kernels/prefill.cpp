@@ -5,13 +5,17 @@
 //   nxdc::prefill_linear(x, w, scale=None, min=None)   out[M, N] = x @ dequant(w)^T
 //   nxdc::prefill_swiglu(x, w, scale=None, min=None)   silu(x @ gate^T) * (x @ up^T), w = [gate; up]
 //
-// Same arguments as linear.cpp's ops. Taken for bfloat16, int8 and int4 weights: x is rounded to
-// bf16 once, each weight to the bf16 nearest its fp32 dequantisation (bfloat16 weights exactly),
-// and every product is accumulated in fp32. A prompt's matmuls are compute-bound, and a tile
+// Same arguments as linear.cpp's ops. Taken for bfloat16, int8 and int4 weights: each weight is
+// rounded to the bf16 nearest its fp32 dequantisation (bfloat16 weights exactly), x to bf16, and
+// every product is accumulated in fp32. A prompt's matmuls are compute-bound, and a tile
 // instruction multiplies many times as many pairs a cycle as fp32 FMAs (2.9-6.5x faster than
 // linear.cpp at 128 rows, 1B / 8B shapes, on a 2-core Sapphire Rapids VM).
-// Rounding the activations costs little next to 4- or 8-bit weights, and nothing for
-// `--dtype bf16`, whose activations are bf16 already. fp32 and fp16 weights, CPUs where oneDNN
+// Rounding the activations costs little next to 4-bit weights (and the K-quants' 5-6-bit ones
+// with mins), and nothing for `--dtype bf16`, whose activations are bf16 already. For int8 with
+// one scale a group or row it cost greedy text (SmolLM2: 11 of 20 chat prompts kept fp32's 32
+// tokens, against 15 with exact products), so there x goes in as two bf16 parts, hi = bf16(x)
+// and lo = bf16(x - hi), each multiplied by the same converted tile: x within 2^-17, twice the
+// tile products, the weight conversion once. fp32 and fp16 weights, CPUs where oneDNN
 // has no AMX (PyTorch packs bf16 for its micro-kernel only there: `could_pack`), K not a multiple
 // of 32 and calls of fewer than 16 rows take linear.cpp's kernels (exact fp32 products).
 //
@@ -46,12 +50,8 @@ namespace {
 
 // NXDC_PREFILL_TILES=0 turns the tile path off (prefill then runs linear.cpp's kernels).
 bool tiles_available() {
-  static const bool yes = [] {
-    const char* e = std::getenv("NXDC_PREFILL_TILES");
-    if (e && std::strcmp(e, "0") == 0) return false;
-    return nxdc_cpu::has_avx512() && __builtin_cpu_supports("avx512bf16") &&
-           at::native::cpublas::could_pack(at::kBFloat16);
-  }();
+  static const bool yes = !nxdc_cpu::turned_off("NXDC_PREFILL_TILES") && nxdc_cpu::has_avx512() &&
+                          __builtin_cpu_supports("avx512bf16") && at::native::cpublas::could_pack(at::kBFloat16);
   return yes;
 }
 
@@ -153,19 +153,25 @@ NXDC_BF16 void pack_tile(const Weights& a, int64_t n0, int64_t rows, int64_t k0,
   }
 }
 
-// x [M, K] fp32 -> bf16 (round to nearest even).
-NXDC_BF16 void to_bf16(const float* x, uint16_t* y, int64_t n) {
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i)));
-  if (i < n) {
-    const __mmask16 m = static_cast<__mmask16>((1u << (n - i)) - 1);
-    _mm256_mask_storeu_epi16(y + i, m, (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, x + i)));
+// x [M, K] fp32 -> bf16 hi (round to nearest even) and, where lo is given, the bf16 of what hi
+// leaves (x - hi: hi + lo is x within 2^-17 of it).
+NXDC_BF16 void to_bf16(const float* x, uint16_t* hi, uint16_t* lo, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = n - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - i)) - 1);
+    const __m512 v = _mm512_maskz_loadu_ps(m, x + i);
+    const __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
+    _mm256_mask_storeu_epi16(hi + i, m, h);
+    if (lo) {
+      const __m512 back = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+      _mm256_mask_storeu_epi16(lo + i, m, (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(v, back)));
+    }
   }
 }
 
+// out = xh @ B (+ xl @ B where xl is given: the activations' second bf16 part, on the same
+// converted tile), tile by tile.
 template <Kind F, Scale S>
-void tiles(const Weights& a, const at::BFloat16* xb, int64_t M, float* out) {
+void tiles(const Weights& a, const at::BFloat16* xh, const at::BFloat16* xl, int64_t M, float* out) {
   const int64_t K = a.K, N = a.N, kb = k_block(K);
   const int64_t ntiles = (N + NB - 1) / NB;
   at::parallel_for(0, ntiles, 1, [&](int64_t t0, int64_t t1) {
@@ -175,9 +181,12 @@ void tiles(const Weights& a, const at::BFloat16* xb, int64_t M, float* out) {
       const int64_t n0 = t * NB, rows = std::min(NB, N - n0);
       for (int64_t k0 = 0; k0 < K; k0 += kb) {
         pack_tile<F, S>(a, n0, rows, k0, kb, buf.get());
-        for (int64_t m0 = 0; m0 < M; m0 += MB)
-          at::native::cpublas::brgemm(std::min(MB, M - m0), rows, kb, K, NB, N, k0 > 0, xb + m0 * K + k0, B,
-                                      out + m0 * N + n0, true);
+        for (int64_t m0 = 0; m0 < M; m0 += MB) {
+          const int64_t mb = std::min(MB, M - m0);
+          float* C = out + m0 * N + n0;
+          at::native::cpublas::brgemm(mb, rows, kb, K, NB, N, k0 > 0, xh + m0 * K + k0, B, C, true);
+          if (xl) at::native::cpublas::brgemm(mb, rows, kb, K, NB, N, true, xl + m0 * K + k0, B, C, true);
+        }
       }
     }
     at::native::cpublas::brgemm_release(true);
@@ -218,15 +227,23 @@ at::Tensor tiled_linear(const at::Tensor& x_, const at::Tensor& w_, const at::Te
     a.ng = s.dim() == 1 ? 1 : s.size(1);
     a.G = K / a.ng;
   }
-  at::Tensor xb = at::empty({M, K}, x.options().dtype(at::kBFloat16));
+  const Kind F = kind_of(w);
+  // int8 codes with one scale (--weights int8, int8-row, a kept Q8_0) are finer than bf16's
+  // activations: those take the activations as two bf16 parts (twice the tile products, the
+  // conversion once). int4 and the K-quants' int8 with mins are coarse enough for one.
+  const bool split = F == Kind::I8 && S != Scale::GroupMin;
+  at::Tensor xb = at::empty({split ? 2 * M : M, K}, x.options().dtype(at::kBFloat16));
   auto* xp = reinterpret_cast<uint16_t*>(xb.data_ptr<at::BFloat16>());
+  uint16_t* lp = split ? xp + M * K : nullptr;
   const float* xs = x.data_ptr<float>();
-  at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) { to_bf16(xs + r0 * K, xp + r0 * K, (r1 - r0) * K); });
+  at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
+    to_bf16(xs + r0 * K, xp + r0 * K, lp ? lp + r0 * K : nullptr, (r1 - r0) * K);
+  });
   at::Tensor out = at::empty({M, N}, x.options());
   const auto* xbp = xb.data_ptr<at::BFloat16>();
+  const auto* xlp = split ? xbp + M * K : nullptr;
   float* o = out.data_ptr<float>();
-  const Kind F = kind_of(w);
-  auto run = [&](auto f, auto s) { tiles<decltype(f)::value, decltype(s)::value>(a, xbp, M, o); };
+  auto run = [&](auto f, auto s) { tiles<decltype(f)::value, decltype(s)::value>(a, xbp, xlp, M, o); };
   using KB = std::integral_constant<Kind, Kind::BF16>;
   using K8 = std::integral_constant<Kind, Kind::I8>;
   using K4 = std::integral_constant<Kind, Kind::I4>;

@@ -89,8 +89,8 @@ class Decoder(nn.Module):
     Modes, fixed at construction: ``kernels`` routes linear layers and attention to nxdc's CPU
     kernels (decided at export: ``compile/trace.py``); ``kv_update`` ``"functional"`` writes the
     KV caches out of place and re-assigns them (graphs wrapped in ``FunctionalKV`` return them),
-    ``"in-place"`` writes them with ``index_copy_``; ``prefill_tiles`` lets the prefill graphs'
-    linear layers multiply on bf16 tiles where their numerics allow (``prefill_matmuls``);
+    ``"in-place"`` writes them with ``index_copy_``; ``prefill_matmul`` (``--prefill-matmul``)
+    lets the prefill graphs' linear layers multiply on bf16 tiles (``prefill_matmuls``);
     ``decode_int8`` lets the decode and verify graphs' int4 layers multiply int8-quantized
     activations (``decode_matmuls``)."""
 
@@ -109,13 +109,13 @@ class Decoder(nn.Module):
         weight_map: dict[str, str] | None = None,  # weights "gguf": each module's format
         kernels: bool = False,
         kv_update: str = "in-place",
-        prefill_tiles: bool = False,
+        prefill_matmul: str = "exact",
         decode_int8: bool = False,
     ):
         super().__init__()
         if kv_update not in self.KV_UPDATES:
             raise ValueError(f"kv_update must be one of {self.KV_UPDATES} (got {kv_update!r})")
-        self.kernels, self.kv_update, self.prefill_tiles = kernels, kv_update, prefill_tiles
+        self.kernels, self.kv_update, self.prefill_matmul = kernels, kv_update, prefill_matmul
         self.decode_int8 = decode_int8
         layout = layout or shard_layout(spec, 1)
         self.spec, self.batch, self.max_seq, self.tp, self.layout = spec, batch, max_seq, layout.tp, layout
@@ -220,7 +220,7 @@ class ContextEncoding(nn.Module):
         pos = torch.arange(t, device=input_ids.device)
         positions = pos.unsqueeze(0).expand(bsz, t)
         mask = (pos.view(1, t) <= pos.view(t, 1)).view(1, 1, t, t)
-        with prefill_matmuls(self.model.prefill_tiles):
+        with prefill_matmuls(self.model.prefill_matmul):
             return self.model(input_ids, positions, mask, None, last_index)
 
 
@@ -293,5 +293,5 @@ class RowPrefill(nn.Module):
         positions = torch.where(positions < s, positions, positions - n)
         slots = torch.arange(s, device=input_ids.device)
         mask = (slots.view(1, 1, -1) <= positions.unsqueeze(-1)).unsqueeze(1)  # [1, 1, n, S]
-        with prefill_matmuls(self.model.prefill_tiles):
+        with prefill_matmuls(self.model.prefill_matmul):
             return self.model(input_ids, positions, mask, s, last_index, rows=rows, keep=keep)

@@ -39,9 +39,10 @@ DTYPE_OPS = {torch.float32: "linear_f32", torch.float16: "linear_f16", torch.bfl
 # Activations the kernels take: fp32 as they are; fp16 / bf16 (``--dtype``) converted to fp32 on
 # the way in and rounded back on the way out, as transformers' fp32-accumulating matmul rounds.
 KERNEL_DTYPES = frozenset(DTYPE_OPS)
-# How the kernel Linears of the graph being traced multiply: "tiles" (prefill graphs,
-# ``prefill_matmuls``), "int8" (decode / verify graphs, ``decode_matmuls``) or exactly (None).
+# How the kernel Linears of the graph being traced multiply: "tiles" / "tiles-int8" (prefill
+# graphs, ``prefill_matmuls``), "int8" (decode / verify graphs, ``decode_matmuls``) or exactly (None).
 _MATMULS = contextvars.ContextVar("nxdc_matmuls", default=None)
+_TILE_MODES = ("tiles", "tiles-int8")  # the --prefill-matmul values that put layers on tiles
 
 
 @contextlib.contextmanager
@@ -53,11 +54,12 @@ def _matmuls(mode: str | None):
         _MATMULS.reset(token)
 
 
-def prefill_matmuls(tiles: bool = True):
-    """With ``tiles``, kernel Linears whose numerics bf16 tiles keep (``Linear._tiled``) call the
-    prefill ops within it (a whole prompt at once: compute-bound; kernels/prefill.cpp). The
-    prefill graphs trace their forward inside it (``tiles``: the plan's ``--prefill-matmul``)."""
-    return _matmuls("tiles" if tiles else None)
+def prefill_matmuls(mode: str = "tiles"):
+    """With ``mode`` "tiles" or "tiles-int8" (the plan's ``--prefill-matmul``), the kernel
+    Linears that mode puts on bf16 tiles (``Linear._tiled``) call the prefill ops within it (a
+    whole prompt at once: compute-bound; kernels/prefill.cpp); "exact": none. The prefill graphs
+    trace their forward inside it."""
+    return _matmuls(mode if mode in _TILE_MODES else None)
 
 
 def decode_matmuls(int8: bool = True):
@@ -167,27 +169,26 @@ class Linear(nn.Module):
         return F.silu(gate) * up
 
     def _tiled(self, dtype: torch.dtype) -> bool:
-        """Whether this call, in a prefill graph, takes the bf16 tiles (activations and weights
-        rounded to bf16, 0.2%): the coarse formats (``_coarse``) and ``--dtype bf16``, whose
-        activations and weights are bf16 already."""
-        if _MATMULS.get() != "tiles":
+        """Whether this call, in a prefill graph, takes the bf16 tiles (weights rounded to bf16,
+        8 significant bits; activations too, or as two bf16 parts): with "tiles", the formats
+        whose numerics that keeps: int4 (16 levels), int8 with a min per group (only a GGUF
+        K-quant's 5-6-bit tensors load so: Q5_K, Q6_K) and ``--dtype bf16`` (bf16 already); with
+        "tiles-int8" int8 with one scale a group or row as well (``--weights int8``, a kept Q8_0:
+        its weights' rounding moves greedy text, SmolLM2 kept fp32's 32 tokens on 13 of 20 chat
+        prompts against 15 exact). fp16 and ``--weights bf16`` keep exact fp32 products."""
+        mode = _MATMULS.get()
+        if mode not in _TILE_MODES:
             return False
-        return self._coarse() if self.fmt is not None else self.weight.dtype == dtype == torch.bfloat16
+        f = self.fmt
+        if f is None:
+            return self.weight.dtype == dtype == torch.bfloat16
+        return f.kind == "int4" or (f.kind == "int8" and (f.asym or mode == "tiles-int8"))
 
     def _integer(self) -> bool:
         """Whether this call, in a decode / verify graph, multiplies int8-quantized activations
         (``decode_matmuls``): every integer format (the op itself keeps the exact products for
         layouts it has no lanes for: per-row int8, int4 groups of 96...)."""
         return _MATMULS.get() == "int8" and self.fmt is not None and self.fmt.quantized
-
-    def _coarse(self) -> bool:
-        """Weights much coarser than bf16 tiles' rounding (``_tiled``): int4 (16 levels) and int8
-        with a min per group (only a GGUF K-quant's 5-6-bit tensors load so: Q5_K, Q6_K).
-        ``--weights int8`` (and a kept Q8_0), fp16 and ``--weights bf16`` keep exact fp32 prompt
-        products: bf16 rounding moved SmolLM2 int8's prefill logits by 0.13 (the compiled-vs-eager
-        budget is 2e-3), and their prompts already beat llama.cpp's (docs/performance.md)."""
-        f = self.fmt
-        return f.kind == "int4" or (f.kind == "int8" and f.asym)
 
     def _quant(self) -> tuple[torch.Tensor, ...]:
         return quant_params(self) if self.fmt is not None and self.fmt.quantized else ()
