@@ -242,14 +242,11 @@ def _eager_of(export, spec, weights: str):
     """The eager decoder of a tp 1 export's weights (its tied lm_head as the embedding)."""
     from safetensors.torch import load_file
 
-    from nxdc.model.decoder import Decoder
+    from nxdc.model.decoder import Decoder, tie_lm_head
 
     eager = Decoder(spec, 1, 128, torch.float32, weights=weights, kernels=bool(ensure_loaded())).eval()
     state = load_file(str(export / "weights" / "rank0.safetensors"))
-    state["lm_head.weight"], state["lm_head.scale"] = (
-        state["embed_tokens.weight"],
-        state["embed_tokens.scale"],
-    )
+    tie_lm_head(state)
     eager.load_state_dict(state, strict=False)
     return eager
 
