@@ -238,9 +238,9 @@ def stored_tensors(
         return {name: w.to(dtype).contiguous()}
     f = weight_format.parse(fmt)
     if f.kind == "int4":
-        q, scale, mins = quantize_int4(w, f.group, f.asym)
+        q, scale, mins = quantize_int4(w, f.group, f.asym, f.half)
     else:
-        q, scale = quantize_int8(w, f.group)
+        q, scale = quantize_int8(w, f.group, f.half)
         mins = None
         if f.asym:
             raise UnsupportedError(f"--weights {fmt}: int8 with mins is kept from GGUF files only")

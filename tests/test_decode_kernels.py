@@ -134,6 +134,7 @@ def test_bad_arguments_raise_the_exact_ops_errors(args, message):
     "stored, integer",
     [
         ("int4-asym-g32", True),
+        ("int4-asym-g32-f16", True),  # --weights int4, a kept Q4_1
         ("int4-sym-g64", True),
         ("int8-asym-g16", True),  # a kept Q6_K / Q5_K
         ("int8-g32", True),  # --weights int8, a kept Q8_0 / Q6_K

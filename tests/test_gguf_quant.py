@@ -94,6 +94,10 @@ def test_every_kept_type_is_stored_bit_exact(type_name, gguf_file, monkeypatch):
     q, scale, mins = requantize(w, s, m, fmt, type_name)
     assert q.dtype == (torch.uint8 if fmt.kind == "int4" else torch.int8)
     assert scale.shape == (6, 512 // fmt.group) and (mins is not None) == fmt.asym
+    # the types whose file stores d (and m) as fp16 keep them so; a K-quant's d * sc needs fp32
+    half = type_name in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
+    assert fmt.half == half and scale.dtype == (torch.float16 if half else torch.float32)
+    assert mins is None or mins.dtype == scale.dtype
     from nxdc.model.quant import dequantize_int4, dequantize_int8
 
     back = dequantize_int4(q, scale, mins) if fmt.kind == "int4" else dequantize_int8(q, scale, mins)
@@ -151,7 +155,10 @@ def test_mixed_parts_share_an_int8_format_that_holds_both():
 
     assert torch.equal(dequantize_int8(q, scale, mins), torch.cat([reference(a), reference(b)]))
     assert common_format([kept_format("Q4_K"), kept_format("F16")]) is None  # F16 is not kept
-    assert common_format([kept_format("Q4_0")] * 3) == WeightFormat("int4", 32, False)
+    assert common_format([kept_format("Q4_0")] * 3) == WeightFormat("int4", 32, False, True)
+    # fp16 scales only where every part has them
+    assert common_format([kept_format("Q4_0"), kept_format("Q8_0")]) == WeightFormat("int8", 32, False, True)
+    assert common_format([kept_format("Q4_1"), kept_format("Q4_K")]) == WeightFormat("int8", 32, True, False)
 
 
 def test_scales_follow_tensor_parallel_cuts_and_head_permutation():
@@ -283,8 +290,8 @@ def test_smollm2_gguf_kept_as_stored_gives_the_dequantized_logits():
 
     _, _, _, plan = prepare("smollm2-135m", ExportOptions(sequence_length=256, weights="auto"))
     assert plan.weights == "gguf"
-    assert set(plan.weight_map.values()) == {"int4-asym-g32", "int8-g32"}
-    assert plan.weight_map["lm_head"] == plan.weight_map["embed_tokens"] == "int8-g32"
+    assert set(plan.weight_map.values()) == {"int4-asym-g32-f16", "int8-g32-f16"}  # the file's fp16 scales
+    assert plan.weight_map["lm_head"] == plan.weight_map["embed_tokens"] == "int8-g32-f16"
     # the default for a GGUF file at --dtype fp32 where nxdc's kernels run; --weights fp32 dequantizes
     default = prepare("smollm2-135m", ExportOptions(sequence_length=256))[3]
     assert (default.weights, default.weight_map) == (

@@ -35,9 +35,11 @@ pytestmark = needs_kernels
 
 ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 20, 64]
 SHAPES = [(1, 16), (7, 100), (67, 576), (192, 576), (576, 1536), (33, 1000)]  # (N, K)
-FORMATS = ["f32", "f16", "bf16", "i8", "i8g32", "i8min", "i4", "i4asym", "i4g64"]
-# inputs per scale group (K must be a multiple); i8min: int8 with a min per group (GGUF Q5_K's form)
+FORMATS = ["f32", "f16", "bf16", "i8", "i8g32", "i8min", "i4", "i4asym", "i4g64", "i4asym-h", "i8g32-h"]
+# inputs per scale group (K must be a multiple); i8min: int8 with a min per group (GGUF Q5_K's form);
+# -h: the group scales (and mins) stored as fp16 (--weights int4's default)
 GROUP = {"i8g32": 32, "i8g64": 64, "i8min": 16, "i4": 32, "i4asym": 32, "i4g64": 64, "i4g128": 128}
+GROUP.update({f"{f}-h": GROUP[f] for f in ("i4asym", "i8g32")})
 
 
 def fits(fmt: str, k: int) -> bool:
@@ -59,10 +61,11 @@ def make(fmt: str, w: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], torch.Ten
     if fmt == "bf16":
         wq = w.to(torch.bfloat16)
         return (wq,), wq.float()
+    half = fmt.endswith("-h")
     if fmt.startswith("i4"):
-        p, s, m = quantize_int4(w, GROUP[fmt], asymmetric=fmt == "i4asym")
+        p, s, m = quantize_int4(w, GROUP[fmt], asymmetric=fmt.startswith("i4asym"), half=half)
         return ((p, s) if m is None else (p, s, m)), dequantize_int4(p, s, m)
-    q, s = quantize_int8(w, GROUP.get(fmt))
+    q, s = quantize_int8(w, GROUP.get(fmt), half=half)
     if fmt == "i8min":
         m = torch.randn_like(s) * s  # any min: w = q * s + m
         return (q, s, m), dequantize_int8(q, s, m)
@@ -244,8 +247,35 @@ def test_bad_arguments_raise():
         torch.ops.nxdc.linear_i4(x, p, torch.ones(3, 4))  # groups of 16: half a packed block
     with pytest.raises(RuntimeError, match="need group scales"):
         torch.ops.nxdc.linear_i4(x, p, torch.ones(3))
-    with pytest.raises(RuntimeError, match="min must be a float32 CPU tensor shaped like scale"):
+    with pytest.raises(RuntimeError, match="min must be a CPU tensor of scale's dtype and shape"):
         torch.ops.nxdc.linear_i4(x, p, s4, torch.ones(3, 1))
+    with pytest.raises(RuntimeError, match="min must be a CPU tensor of scale's dtype and shape"):
+        torch.ops.nxdc.linear_i4(x, p, s4.half(), torch.ones(3, 2))  # fp16 scales, fp32 mins
+    with pytest.raises(RuntimeError, match="group scales: float32 or float16"):
+        torch.ops.nxdc.linear_i8(x, q, s.half())  # per-row scales stay fp32
+
+
+@pytest.mark.parametrize("k", [160, 576, 1024])  # 5, 18 and 32 groups a row: the conversion's tails
+def test_fp16_scales_equal_their_fp32_values(k):
+    """Every op that takes int8 / int4 weights gives, with fp16 group scales and mins, exactly
+    what it gives with the same values in fp32 (the kernels convert a row's scales exactly):
+    exact, integer (decode) and tile (prefill) paths, linear and SwiGLU, 1 to 40 rows."""
+    torch.manual_seed(k)
+    ops = torch.ops.nxdc
+    w = torch.randn(48, k)
+    cases = [quantize_int4(w, 32, True, half=True), quantize_int4(w, 32, False, half=True)]
+    cases.append((*quantize_int8(w, 32, half=True), None))
+    for rows in (1, 3, 9, 40):
+        x = torch.randn(rows, k)
+        for q, s, m in cases:
+            assert s.dtype == torch.float16 and (m is None or m.dtype == torch.float16)
+            tail = () if m is None else (m,)
+            tail32 = () if m is None else (m.float(),)
+            for name in ("linear_q8", "prefill_linear", "swiglu_q8", "prefill_swiglu", "swiglu"):
+                f = getattr(ops, name)
+                assert torch.equal(f(x, q, s, *tail), f(x, q, s.float(), *tail32)), (name, rows, q.dtype)
+            f = ops.linear_i4 if q.dtype == torch.uint8 else ops.linear_i8
+            assert torch.equal(f(x, q, s, *tail), f(x, q, s.float(), *tail32)), (rows, q.dtype)
 
 
 def test_quantize_int4_round_trip():
@@ -315,7 +345,7 @@ def test_avx2_path_matches_reference():
         """
         import torch
         from nxdc.kernels import ensure_loaded
-        from nxdc.model.quant import quantize_int8, dequantize_int8
+        from nxdc.model.quant import quantize_int4, quantize_int8, dequantize_int4, dequantize_int8
         assert ensure_loaded()
         worst = 0.0
         for rows in (1, 3, 8, 9, 40, 100):  # 40, 100: dequantise + at::mm
@@ -330,6 +360,8 @@ def test_avx2_path_matches_reference():
                 if k % 32 == 0:
                     q, s = quantize_int8(w, 32)
                     cases.append((torch.ops.nxdc.linear_i8, (q, s), dequantize_int8(q, s)))
+                    p, s, m = quantize_int4(w, 32, True, half=True)  # fp16 scales and mins
+                    cases.append((torch.ops.nxdc.linear_i4, (p, s, m), dequantize_int4(p, s, m)))
                 for f, args, wd in cases:
                     if rows <= 32:  # streaming kernel: each row as the 1-row call gives it, bit for bit
                         alone = torch.cat([f(x[i : i + 1], *args) for i in range(rows)])
@@ -339,7 +371,7 @@ def test_avx2_path_matches_reference():
                     worst = max(worst, ((got - ref).abs() / bound).max().item())
                     if n % 2 == 0:  # swiglu: the same sums (any route), then SiLU within fp32 ulps
                         lin = f(x, *args).double()
-                        sw = torch.ops.nxdc.swiglu(x, args[0], args[1] if len(args) > 1 else None)
+                        sw = torch.ops.nxdc.swiglu(x, *args)
                         ref = torch.nn.functional.silu(lin[:, : n // 2]) * lin[:, n // 2 :]
                         assert ((sw.double() - ref).abs() <= 4e-7 * ref.abs() + 1e-30).all(), (f, rows, n, k)
         print("WORST", worst)

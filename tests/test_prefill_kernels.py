@@ -135,11 +135,13 @@ def test_bad_arguments_raise_the_exact_ops_errors(args, message):
     "dtype, stored, tiled",
     [  # tiled: by --prefill-matmul tiles (the default), by tiles-int8
         (torch.float32, "int4-asym-g32", (True, True)),
+        (torch.float32, "int4-asym-g32-f16", (True, True)),  # --weights int4, a kept Q4_1
         (torch.float32, "int4-sym-g64", (True, True)),
         (torch.bfloat16, None, (True, True)),  # --dtype bf16
         (torch.float32, None, (False, False)),
         (torch.float32, "bf16", (False, False)),  # --weights bf16: fp32 activations stay exact
-        (torch.float32, "int8-g32", (False, True)),  # --weights int8 (and a kept Q8_0)
+        (torch.float32, "int8-g32", (False, True)),  # --weights int8
+        (torch.float32, "int8-g32-f16", (False, True)),  # a kept Q8_0
         (torch.float32, "int8", (False, True)),  # --weights int8-row
         (torch.float32, "int8-asym-g16", (True, True)),  # a kept Q6_K / Q5_K
         (torch.float32, "fp16", (False, False)),

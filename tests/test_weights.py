@@ -19,7 +19,7 @@ from nxdc.model.layers import Linear
 from nxdc.pipeline import stored_tensors
 
 FORMATS = ["fp16", "bf16", "int8"]
-TINY_FORMATS = [*FORMATS, "int8-row", "int4", "int4-sym", "int4-g64"]
+TINY_FORMATS = [*FORMATS, "int8-row", "int4", "int4-sym", "int4-g64", "int4-f32", "int8-f16"]
 # tiny random model (logits ~1): max abs logit error vs fp32 weights
 # (int8 step = max|w|/127 per row or group; int4 = max|w|/8 or (max - min)/15 per group)
 TINY_TOL = {
@@ -30,6 +30,8 @@ TINY_TOL = {
     "int4": 1.0,
     "int4-sym": 1.0,
     "int4-g64": 1.0,
+    "int4-f32": 1.0,
+    "int8-f16": 1e-1,
 }
 STORED_DTYPE = {"fp16": torch.float16, "bf16": torch.bfloat16, "int8": torch.int8, "int4": torch.uint8}
 
@@ -76,6 +78,7 @@ def test_reduced_weights_stay_close_to_fp32_tiny(fmt, kernels):
             (lin.weight.shape[0],) if f.group is None else (lin.weight.shape[0], k // f.group)
         )
         assert hasattr(lin, "min") == f.asym
+        assert lin.scale.dtype == (torch.float16 if f.half else torch.float32)  # int4: fp16 unless -f32
     err = float((_prefill_logits(ref) - _prefill_logits(low)).abs().max())
     assert 0 < err < TINY_TOL[fmt], err  # > 0: the format really is in use
 
@@ -305,9 +308,12 @@ def test_weights_option_validation(tiny_gqa, tmp_path):
     )
     assert s["plan"]["weights"] == "int8-g32" and s["weight_bytes"] < 0.3 * fp32["weight_bytes"]
     i4 = json.loads(dry("--weights", "int4", "--json").stdout)
-    # 4 bits + a 32-bit scale and min per 32 weights (6 bits) in the layers; the embedding and lm_head
-    # (a third of this tiny model) stay int8 g32 (9 bits): ~0.77 of the int8 bytes
-    assert i4["plan"]["weights"] == "int4-asym-g32" and i4["weight_bytes"] < s["weight_bytes"] * 0.8
+    # 4 bits + a 16-bit scale and min per 32 weights (5 bits) in the layers; the embedding and lm_head
+    # (a third of this tiny model) stay int8 g32 with fp16 scales (8.5 bits): ~0.67 of the int8 bytes
+    assert i4["plan"]["weights"] == "int4-asym-g32-f16" and i4["weight_bytes"] < s["weight_bytes"] * 0.7
+    i4f32 = json.loads(dry("--weights", "int4-f32", "--json").stdout)  # fp32 scales, as before
+    assert i4f32["plan"]["weights"] == "int4-asym-g32" and i4f32["weight_bytes"] > i4["weight_bytes"]
+    assert json.loads(dry("--weights", "int8-f16", "--json").stdout)["plan"]["weights"] == "int8-g32-f16"
     assert json.loads(dry("--weights", "int8-row", "--json").stdout)["plan"]["weights"] == "int8"
     # auto keeps a GGUF file's formats; a safetensors checkpoint has none: the compute dtype
     auto = json.loads(dry("--weights", "auto", "--json").stdout)

@@ -67,8 +67,8 @@ int64_t lanes_per_scale(Kind F, int64_t G) {
 
 struct Weights {
   const uint8_t* w;
-  const float* scale;  // [N, ng]
-  const float* mins;   // [N, ng] or null
+  nxdc_cpu::GroupRows scale;  // [N, ng], fp32 or fp16
+  nxdc_cpu::GroupRows mins;   // [N, ng] or none
   int64_t K, N, ng, G;
 };
 
@@ -221,14 +221,16 @@ NXDC_VNNI void rows(const Weights& a, const ActRows& x, int64_t n0, int64_t n1, 
   const int64_t RB = F == Kind::I4 ? a.K / 2 : a.K, full = a.K / CH, tail = a.K % CH;
   const __mmask64 tail_bytes = (1ull << (F == Kind::I4 ? tail / 2 : tail)) - 1ull;  // tail < CH
   const __mmask16 tail_valid = static_cast<__mmask16>((1u << (tail / a.G)) - 1u);   // LPS 4 / 8 only
+  float* pbuf = nxdc_cpu::scratch_floats(2 * R * a.ng);  // fp16 scales and mins, as fp32
   int64_t n = n0;
   for (; n + R <= n1; n += R) {
     __m512 acc[R][M];
     const uint8_t* wr[R];
-    const float* sr[R];
+    const float *sr[R], *mr[R];
     for (int r = 0; r < R; ++r) {
       wr[r] = a.w + (n + r) * RB;
-      sr[r] = a.scale + (n + r) * a.ng;
+      sr[r] = a.scale.row(n + r, pbuf + 2 * r * a.ng);
+      mr[r] = a.mins.row(n + r, pbuf + (2 * r + 1) * a.ng);
       for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
     }
     const char* pf1 = reinterpret_cast<const char*>(wr[0]) + PF_L1_BYTES;
@@ -241,11 +243,9 @@ NXDC_VNNI void rows(const Weights& a, const ActRows& x, int64_t n0, int64_t n1, 
       chunk<F, LPS, R, M, false>(acc, wr, sr, x, c, c * CH / a.G, 0, 0xFFFF);
     }
     if (tail) chunk<F, LPS, R, M, true>(acc, wr, sr, x, full, 0, tail_bytes, tail_valid);
-    for (int r = 0; r < R; ++r) {
-      const float* mn = MIN ? a.mins + (n + r) * a.ng : nullptr;
+    for (int r = 0; r < R; ++r)
       for (int m = 0; m < M; ++m)
-        out[m * ldo + n + r - n0] = _mm512_reduce_add_ps(acc[r][m]) + group_terms<MIN, BIAS>(sr[r], mn, x, m);
-    }
+        out[m * ldo + n + r - n0] = _mm512_reduce_add_ps(acc[r][m]) + group_terms<MIN, BIAS>(sr[r], mr[r], x, m);
   }
   if constexpr (R > 1) {
     if (n < n1) rows<F, LPS, MIN, 1, M>(a, x, n, n1, out + (n - n0), ldo);
@@ -308,7 +308,7 @@ Call prepare(const at::Tensor& x_, const at::Tensor& w_, const at::Tensor& scale
   if (min.has_value()) c.m = min->contiguous();
   const int64_t K = c.x.size(1), ng = c.s.size(1);
   c.F = c.w.scalar_type() == at::kByte ? Kind::I4 : Kind::I8;
-  c.a = Weights{static_cast<const uint8_t*>(c.w.data_ptr()), c.s.data_ptr<float>(), c.m.defined() ? c.m.data_ptr<float>() : nullptr, K, c.w.size(0), ng, K / ng};
+  c.a = Weights{static_cast<const uint8_t*>(c.w.data_ptr()), nxdc_cpu::group_rows(c.s), nxdc_cpu::group_rows(c.m), K, c.w.size(0), ng, K / ng};
   c.lps = lanes_per_scale(c.F, K / ng);
   const float* xp = c.x.data_ptr<float>();
   const int64_t M = c.x.size(0);

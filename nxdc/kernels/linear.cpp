@@ -92,6 +92,48 @@ NXDC_AVX2 void silu_mul_row(const float* g, const float* u, float* o, int64_t n)
     std::copy(ot, ot + (n - j), o + j);
   }
 }
+
+NXDC_AVX512 static void halves_to_floats512(const uint16_t* h, float* d, int64_t n) {
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16)
+    _mm512_storeu_ps(d + j, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + j))));
+  if (j < n) {
+    const __mmask16 k = static_cast<__mmask16>((1u << (n - j)) - 1u);
+    _mm512_mask_storeu_ps(d + j, k, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, h + j)));
+  }
+}
+
+NXDC_AVX2 const float* GroupRows::row(int64_t n, float* buf) const {
+  if (!p) return nullptr;
+  if (!half) return static_cast<const float*>(p) + n * ng;
+  const uint16_t* h = static_cast<const uint16_t*>(p) + n * ng;
+  if (has_avx512()) {
+    halves_to_floats512(h, buf, ng);
+    return buf;
+  }
+  int64_t j = 0;
+  for (; j + 8 <= ng; j += 8)
+    _mm256_storeu_ps(buf + j, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + j))));
+  for (; j < ng; ++j) buf[j] = _cvtsh_ss(h[j]);
+  return buf;
+}
+
+GroupRows GroupRows::from(int64_t n0) const {
+  GroupRows r = *this;
+  if (p) r.p = static_cast<const char*>(p) + n0 * ng * (half ? 2 : 4);
+  return r;
+}
+
+GroupRows group_rows(const at::Tensor& t) {
+  if (!t.defined()) return {};
+  return {t.data_ptr(), t.scalar_type() == at::kHalf, t.dim() == 2 ? t.size(1) : 1};
+}
+
+float* scratch_floats(int64_t n) {
+  thread_local std::vector<float> buf;
+  if (static_cast<int64_t>(buf.size()) < n) buf.resize(n);
+  return buf.data();
+}
 }  // namespace nxdc_cpu
 
 namespace {
@@ -157,12 +199,21 @@ inline float to_float(typename Store<F>::T v) {
 struct Args {
   const float* x;
   const void* w;
-  const float* scale;
-  const float* mins;  // GroupMin: [N, ng], beside scale
+  nxdc_cpu::GroupRows scale;  // [N] (Row: fp32) or [N, ng] (fp32 or fp16)
+  nxdc_cpu::GroupRows mins;   // GroupMin: [N, ng], beside scale
   const int32_t* gidx;
   float* out;
   int64_t K, N, ng;  // ng: scale columns per row (grouped)
 };
+
+// Row n's group scales and mins as fp32 (grouped S; buf: 2 * ng floats for fp16 ones).
+template <Scale S>
+inline void group_params(const Args& a, int64_t n, float* buf, const float*& sr, const float*& mr) {
+  if constexpr (grouped(S)) {
+    sr = a.scale.row(n, buf);
+    mr = a.mins.row(n, buf + a.ng);
+  }
+}
 
 // ---------------------------------------------------------------- AVX-512 (16 floats a vector)
 
@@ -333,7 +384,7 @@ NXDC_AVX512 __attribute__((always_inline)) inline void store512(__m512 (&acc)[R]
   for (int m = 0; m < M; ++m)
     for (int r = 0; r < R; ++r) {
       float y = s[m * R + r];
-      if constexpr (S == Scale::Row) y *= a.scale[n + r];
+      if constexpr (S == Scale::Row) y *= *a.scale.row(n + r, nullptr);
       a.out[m * a.N + n + r] = y;
     }
 }
@@ -350,6 +401,7 @@ NXDC_AVX512 void block512(const Args& a, int64_t n0, int64_t n1) {
   const int64_t K = a.K, RK = row_elems<F>(K);
   const int64_t KL = K - K % L, KS = K - K % STEP;
   const __mmask16 tail = static_cast<__mmask16>((1u << (K % 16)) - 1u);  // (0 for int4: K % 32 == 0)
+  float* pbuf = grouped(S) ? nxdc_cpu::scratch_floats(2 * R * a.ng) : nullptr;
   int64_t n = n0;
   if (R > 1) {  // start the streams: the first bytes of this thread's rows
     const char* p0 = reinterpret_cast<const char*>(w + n0 * RK);
@@ -362,12 +414,11 @@ NXDC_AVX512 void block512(const Args& a, int64_t n0, int64_t n1) {
     for (int r = 0; r < R; ++r)
       for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
     const T* wr[R];
-    const float* sr[R];
-    const float* mr[R];
+    const float* sr[R] = {};
+    const float* mr[R] = {};
     for (int r = 0; r < R; ++r) {
       wr[r] = w + (n + r) * RK;
-      sr[r] = a.scale + (n + r) * a.ng;
-      mr[r] = a.mins + (n + r) * a.ng;
+      group_params<S>(a, n + r, pbuf + 2 * r * a.ng, sr[r], mr[r]);
     }
     // The R rows are contiguous: linear prefetch streams PF_L1 / PF_L2 bytes ahead of the block
     // start, R lines each per iteration (the rate at which the block's lines are consumed).
@@ -449,18 +500,18 @@ NXDC_AVX2 void block256(const Args& a, int64_t n0, int64_t n1) {
   const T* w = static_cast<const T*>(a.w);
   const float* x = a.x;
   const int64_t K = a.K, N = a.N, K8 = K - K % 8, RK = row_elems<F>(K);
+  float* pbuf = grouped(S) ? nxdc_cpu::scratch_floats(2 * R * a.ng) : nullptr;
   int64_t n = n0;
   for (; n + R <= n1; n += R) {
     __m256 acc[R][M];
     for (int r = 0; r < R; ++r)
       for (int m = 0; m < M; ++m) acc[r][m] = _mm256_setzero_ps();
     const T* wr[R];
-    const float* sr[R];
-    const float* mr[R];
+    const float* sr[R] = {};
+    const float* mr[R] = {};
     for (int r = 0; r < R; ++r) {
       wr[r] = w + (n + r) * RK;
-      sr[r] = a.scale + (n + r) * a.ng;
-      mr[r] = a.mins + (n + r) * a.ng;
+      group_params<S>(a, n + r, pbuf + 2 * r * a.ng, sr[r], mr[r]);
     }
     const char* pf = reinterpret_cast<const char*>(wr[0]) + PF_BYTES_AVX2;  // one L1 stream
     for (int64_t k = 0; k < K8; k += 8) {
@@ -484,7 +535,7 @@ NXDC_AVX2 void block256(const Args& a, int64_t n0, int64_t n1) {
         float y = hsum256(acc[r][m]);
         if constexpr (F != Fmt::I4)  // (int4: K % 32 == 0)
           for (int64_t k = K8; k < K; ++k) y += to_float<F>(wr[r][k]) * x[m * K + k];  // scalar K tail
-        if constexpr (S == Scale::Row) y *= a.scale[n + r];
+        if constexpr (S == Scale::Row) y *= *a.scale.row(n + r, nullptr);
         a.out[m * N + n + r] = y;
       }
   }
@@ -646,8 +697,8 @@ template <Fmt F>
 Args row_slice(const Args& a, int64_t row0, int64_t n, float* dst) {
   Args b = a;
   b.w = static_cast<const typename Store<F>::T*>(a.w) + row0 * row_elems<F>(a.K);
-  b.scale = a.scale ? a.scale + row0 * a.ng : nullptr;
-  b.mins = a.mins ? a.mins + row0 * a.ng : nullptr;
+  b.scale = a.scale.from(row0);
+  b.mins = a.mins.from(row0);
   b.out = dst;
   b.N = n;
   return b;
@@ -688,10 +739,12 @@ NXDC_AVX2 void dequant_rows(const Args& a, int64_t n0, int64_t rows, float* dst)
   using T = typename Store<F>::T;
   const T* w = static_cast<const T*>(a.w);
   const int64_t K = a.K, K8 = K - K % 8;
+  float* pbuf = nxdc_cpu::scratch_floats(2 * a.ng);
   for (int64_t i = 0; i < rows; ++i) {
     const T* wr = w + (n0 + i) * row_elems<F>(K);
-    const float* sr = a.scale + (n0 + i) * a.ng;
-    const float* mr = a.mins + (n0 + i) * a.ng;
+    const float *sr = nullptr, *mr = nullptr;
+    if constexpr (S == Scale::Row) sr = a.scale.row(n0 + i, nullptr);
+    group_params<S>(a, n0 + i, pbuf, sr, mr);
     float* d = dst + i * K;
     const float rs = S == Scale::Row ? sr[0] : 1.0f;
     for (int64_t k = 0; k < K8; k += 8) {
@@ -766,8 +819,10 @@ Call prepare(const char* name, const at::Tensor& x, const at::Tensor& w, const a
   c.M = x.size(0);
   int64_t ng = 0;
   if (scale) {
-    TORCH_CHECK(scale->scalar_type() == at::kFloat && scale->device().is_cpu(), name,
-                ": scale must be a float32 CPU tensor, got ", scale->scalar_type());
+    TORCH_CHECK((scale->scalar_type() == at::kFloat || (scale->scalar_type() == at::kHalf && scale->dim() == 2)) &&
+                    scale->device().is_cpu(),
+                name, ": scale must be a float32 CPU tensor (group scales: float32 or float16), got ",
+                scale->scalar_type(), " ", scale->sizes());
     TORCH_CHECK(scale->dim() == 1 || scale->dim() == 2, name, ": scale must be [N] or [N, K / G], got ",
                 scale->sizes());
     TORCH_CHECK(scale->size(0) == N, name, ": scale has ", scale->size(0), " rows, w has ", N);
@@ -788,17 +843,18 @@ Call prepare(const char* name, const at::Tensor& x, const at::Tensor& w, const a
     }
   }
   if (mins) {
-    TORCH_CHECK(mins->scalar_type() == at::kFloat && mins->device().is_cpu() && mins->sizes() == c.scale.sizes(),
-                name, ": min must be a float32 CPU tensor shaped like scale ", c.scale.sizes(), ", got ",
-                mins->scalar_type(), " ", mins->sizes());
+    TORCH_CHECK(mins->scalar_type() == c.scale.scalar_type() && mins->device().is_cpu() &&
+                    mins->sizes() == c.scale.sizes(),
+                name, ": min must be a CPU tensor of scale's dtype and shape (", c.scale.scalar_type(), " ",
+                c.scale.sizes(), "), got ", mins->scalar_type(), " ", mins->sizes());
     c.mins = mins->contiguous();
   }
   c.x = x.contiguous();
   c.w = w.contiguous();
   c.a = Args{c.x.data_ptr<float>(),
              c.w.data_ptr(),
-             c.scale.defined() ? c.scale.data_ptr<float>() : nullptr,
-             c.mins.defined() ? c.mins.data_ptr<float>() : nullptr,
+             nxdc_cpu::group_rows(c.scale),
+             nxdc_cpu::group_rows(c.mins),
              c.gidx.data(),
              nullptr,
              K,

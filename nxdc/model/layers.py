@@ -96,7 +96,8 @@ class Linear(nn.Module):
     activations (``--dtype``) go in as fp32 and come out rounded to their dtype.
 
     ``store_as(name)`` keeps the weight in that format (``model/weight_format.py``: fp16, bf16, or
-    int8 / int4 with an fp32 ``scale`` per row or group and, asymmetric, a ``min`` per group);
+    int8 / int4 with an fp32 or fp16 ``scale`` per row or group and, asymmetric, a ``min`` per
+    group);
     activations, bias and accumulation stay in the compute dtype. Without the kernels (CUDA, CPUs
     without AVX2) a stored weight is converted per call and PyTorch's matmul runs."""
 
@@ -133,9 +134,10 @@ class Linear(nn.Module):
         )
         if f.quantized:
             scales = (n,) if f.group is None else (n, k // f.group)
-            self.scale = nn.Parameter(torch.empty(scales, dtype=torch.float32, device=w.device))
+            sdtype = torch.float16 if f.half else torch.float32
+            self.scale = nn.Parameter(torch.empty(scales, dtype=sdtype, device=w.device))
             if f.asym:
-                self.min = nn.Parameter(torch.empty(scales, dtype=torch.float32, device=w.device))
+                self.min = nn.Parameter(torch.empty(scales, dtype=sdtype, device=w.device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         k = x.shape[-1]

@@ -19,6 +19,10 @@ weight j in its low nibble and weight 16 + j in its high one, GGUF Q4_0's order)
 magnitude maps to -8, so the 16 levels are all used). Asymmetric: ``w ~= nibble * scale + min``
 with ``min`` the group's minimum and ``scale = (max - min) / 15``.
 
+With ``half`` the group scales (and mins) are stored as fp16 (``--weights int4``'s default): each is
+rounded to fp16 first and the codes are chosen against the rounded values, so the stored triple
+dequantizes as above with no further rounding (the kernels convert fp16 to fp32 exactly).
+
 Either format may carry a ``min`` per group (``w = q * scale + min``: multiply, then add, as
 gguf's Q4_1 / Q4_K / Q5_K dequantisation does): how GGUF files keep their bits (``nxdc.weights.gguf_quant``)."""
 
@@ -43,13 +47,18 @@ def _check_group(k: int, group_size: int | None) -> None:
         )
 
 
-def quantize_int8(w: torch.Tensor, group_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 of a weight ``w [N, K]``: returns ``(q int8 [N, K], scale fp32)`` where
-    scale is ``[N]`` (``group_size=None``: per output channel) or ``[N, K // group_size]``."""
+def quantize_int8(
+    w: torch.Tensor, group_size: int | None = None, half: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 of a weight ``w [N, K]``: returns ``(q int8 [N, K], scale)`` where scale is
+    ``[N]`` (``group_size=None``: per output channel) or ``[N, K // group_size]``, fp32 or (``half``,
+    group scales only) fp16."""
     if w.dim() != 2:
         raise ValueError(f"quantize_int8 expects a 2-D weight [N, K], got shape {tuple(w.shape)}")
     n, k = w.shape
     _check_group(k, group_size)
+    if half and group_size is None:
+        raise ValueError("quantize_int8: fp16 scales are for group scales only")
     g = k if group_size is None else group_size
     q = torch.empty((n, k), dtype=torch.int8)
     scale = torch.zeros((n, k // g if k else 0))
@@ -57,12 +66,19 @@ def quantize_int8(w: torch.Tensor, group_size: int | None = None) -> tuple[torch
     for r in range(0, n if k else 0, step):
         wg = w[r : r + step].detach().to(torch.float32).reshape(-1, k // g, g)
         s = _least_error_scale(wg) if group_size else wg.abs().amax(dim=-1) / QMAX
+        if half:
+            s = _as_half(s)
         safe = torch.where(s > 0, s, torch.ones_like(s)).unsqueeze(-1)
         q[r : r + step] = torch.round(wg / safe).clamp_(-QMAX, QMAX).reshape(-1, k).to(torch.int8)
         scale[r : r + step] = s
     if group_size is None:
         scale = scale.reshape(n) if k else torch.zeros(n)
-    return q, scale
+    return q, (scale.half() if half else scale)
+
+
+def _as_half(t: torch.Tensor) -> torch.Tensor:
+    """``t`` rounded to fp16 values (kept in fp32)."""
+    return t.half().float()
 
 
 def _least_error_scale(wg: torch.Tensor) -> torch.Tensor:
@@ -127,10 +143,10 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_int4(
-    w: torch.Tensor, group_size: int = 32, asymmetric: bool = False
+    w: torch.Tensor, group_size: int = 32, asymmetric: bool = False, half: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Group-wise int4 of ``w [N, K]``: ``(packed uint8 [N, K // 2], scale fp32 [N, K // G],
-    min fp32 [N, K // G] or None)``."""
+    """Group-wise int4 of ``w [N, K]``: ``(packed uint8 [N, K // 2], scale [N, K // G],
+    min [N, K // G] or None)``, scale and min fp32 or (``half``) fp16."""
     if w.dim() != 2:
         raise ValueError(f"quantize_int4 expects a 2-D weight [N, K], got shape {tuple(w.shape)}")
     n, k = w.shape
@@ -138,16 +154,21 @@ def quantize_int4(
     wg = w.detach().to(torch.float32).reshape(n, k // group_size, group_size)
     if asymmetric:
         lo, hi = wg.amin(dim=-1), wg.amax(dim=-1)
+        lo = _as_half(lo) if half else lo
         scale = (hi - lo) / 15
+        scale = _as_half(scale) if half else scale
         safe = torch.where(scale > 0, scale, torch.ones_like(scale))
         q = torch.round((wg - lo.unsqueeze(-1)) / safe.unsqueeze(-1)).clamp_(0, 15)
         mins = lo.contiguous()
     else:  # llama.cpp Q4_0: the value of largest magnitude maps to -8
         idx = wg.abs().argmax(dim=-1, keepdim=True)
         scale = wg.gather(-1, idx).squeeze(-1) / -8
+        scale = _as_half(scale) if half else scale
         safe = torch.where(scale != 0, scale, torch.ones_like(scale))
         q = (torch.round(wg / safe.unsqueeze(-1)) + 8).clamp_(0, 15)
         mins = None
+    if half:
+        scale, mins = scale.half(), None if mins is None else mins.half()
     return pack_int4(q.reshape(n, k)), scale.contiguous(), mins
 
 

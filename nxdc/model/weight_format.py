@@ -12,6 +12,12 @@ canonical name:
   (llama.cpp's Q4_1 / Q4_K form): on SmolLM2 it keeps the source's Q4_1 values exactly (top-1
   100%), where symmetric int4 (Q4_0's form) agrees with fp32 on 74% (docs/weights.md);
 - ``int8-asym-gG``: int8 with a min per group (GGUF Q5_K's form);
+- any of the group-wise names with ``-f16``: its scales (and mins) stored as fp16, not fp32, as
+  llama.cpp's Q4_0 / Q4_1 / Q8_0 keep theirs: 16 bits a group less each. ``--weights int4`` is
+  ``int4-asym-g32-f16`` (5 bits a weight, not 6; decode reads that much less); ``--weights int8``
+  keeps fp32 scales (``int8-f16`` asks for fp16); ``-f32`` spells fp32 out. A GGUF's Q8_0 / Q4_0 /
+  Q4_1 / Q5_0 / Q5_1 tensors load with fp16 scales (their own), the K-quants with fp32 (a K-quant
+  scale is an fp16 times a 6-bit integer, which fp16 does not hold);
 - ``gguf``: each weight as its GGUF file stores it (``--weights auto`` on a GGUF source): the plan's
   ``weight_map`` names each module's format (``nxdc.weights.gguf_quant``); modules it leaves out
   are stored in the compute dtype.
@@ -30,8 +36,9 @@ INT4_BLOCK = 32  # an int4 group is a whole number of 32-weight packed blocks
 CHOICES = ("fp32", "fp16", "bf16", "int8", "int8-row", "int4", "int4-sym", "auto")
 AUTO = "auto"  # --weights auto: a GGUF source's own formats (GGUF), else the compute dtype
 GGUF = "gguf"  # the plan's name for it
-_NAME = re.compile(r"^(int8|int4)(-sym|-asym)?(?:-g(\d+))?$")
+_NAME = re.compile(r"^(int8|int4)(-sym|-asym)?(?:-g(\d+))?(?:-(f16|f32))?$")
 ASYM_DEFAULT = {"int8": False, "int4": True}
+HALF_DEFAULT = {"int8": False, "int4": True}  # --weights int4: fp16 scales; int8: fp32
 
 
 @dataclass(frozen=True)
@@ -39,6 +46,7 @@ class WeightFormat:
     kind: str  # fp32 | fp16 | bf16 | int8 | int4
     group: int | None = None  # inputs per scale; None: per row (int8) or not quantized
     asym: bool = False  # a per-group min beside the scale
+    half: bool = False  # group scales (and mins) stored as fp16, not fp32
 
     @property
     def quantized(self) -> bool:
@@ -52,7 +60,7 @@ class WeightFormat:
         if self.group is None:
             return "int8"
         form = "-asym" if self.asym else ("-sym" if self.kind == "int4" else "")
-        return f"{self.kind}{form}-g{self.group}"
+        return f"{self.kind}{form}-g{self.group}{'-f16' if self.half else ''}"
 
     def check_inputs(self, k: int, what: str) -> str | None:
         """Why a weight with ``k`` inputs per row (per rank) cannot be stored so, or None."""
@@ -71,8 +79,9 @@ def module_format(name: str, module: str, weight_map: dict[str, str] | None = No
     format ``name`` (and, for ``gguf``, its ``weight_map``); None: the compute dtype."""
     if name == GGUF:
         return (weight_map or {}).get(module)
-    if parse(name).kind == "int4" and module.split(".")[0] in INT8_TABLES:
-        return f"int8-g{DEFAULT_GROUP}"
+    f = parse(name)
+    if f.kind == "int4" and module.split(".")[0] in INT8_TABLES:
+        return WeightFormat("int8", DEFAULT_GROUP, half=f.half).name
     return name
 
 
@@ -88,17 +97,18 @@ def parse(name: str) -> WeightFormat:
     if name == "int8":
         return WeightFormat("int8")
     m = _NAME.match(name)
-    if not m or m.group(3) is None:
+    if not m or m.group(3) is None or m.group(4) == "f32":
         raise ValueError(f"not a weight format: {name!r}")
-    f = _checked(m.group(1), int(m.group(3)), _asym(m), name)
+    f = _checked(m.group(1), int(m.group(3)), _asym(m), m.group(4) == "f16", name)
     if f.name != name:
         raise ValueError(f"not a canonical weight format: {name!r} (is {f.name!r})")
     return f
 
 
 def from_user(value: str) -> WeightFormat:
-    """``--weights`` -> its format: ``int8`` and ``int4`` mean group 32, ``int8-row`` one scale
-    per row. ValueError with a one-line reason for anything else."""
+    """``--weights`` -> its format: ``int8`` and ``int4`` mean group 32 (int4 with fp16 scales and
+    mins, int8 with fp32 scales: ``-f16`` / ``-f32`` choose), ``int8-row`` one scale per row.
+    ValueError with a one-line reason for anything else."""
     if value in FLOAT_KINDS:
         return WeightFormat(value)
     if value == "int8-row":
@@ -106,20 +116,22 @@ def from_user(value: str) -> WeightFormat:
     m = _NAME.match(value)
     if not m:
         raise ValueError(
-            f"--weights must be one of {', '.join(CHOICES)} (int8 / int4 also as -gG, e.g. int4-g128), got {value!r}"
+            f"--weights must be one of {', '.join(CHOICES)} (int8 / int4 also as -gG, e.g. int4-g128, and "
+            f"-f16 / -f32 for the scales' dtype, e.g. int4-f32), got {value!r}"
         )
     if m.group(1) == "int8" and m.group(2) == "-asym":
         raise ValueError("--weights int8-asym is not a choice: int8's 255 levels gain nothing from a min")
     group = int(m.group(3)) if m.group(3) else DEFAULT_GROUP
-    return _checked(m.group(1), group, _asym(m), value)
+    half = m.group(4) == "f16" if m.group(4) else HALF_DEFAULT[m.group(1)]
+    return _checked(m.group(1), group, _asym(m), half, value)
 
 
 def _asym(m: re.Match) -> bool:
     return m.group(2) == "-asym" if m.group(2) else ASYM_DEFAULT[m.group(1)]
 
 
-def _checked(kind: str, group: int, asym: bool, value: str) -> WeightFormat:
+def _checked(kind: str, group: int, asym: bool, half: bool, value: str) -> WeightFormat:
     unit = INT4_BLOCK if kind == "int4" else 16  # the kernels' vectors never straddle a group
     if group <= 0 or group % unit:
         raise ValueError(f"--weights {value}: the {kind} group size must be a positive multiple of {unit}")
-    return WeightFormat(kind, group, asym)
+    return WeightFormat(kind, group, asym, half)

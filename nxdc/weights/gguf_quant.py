@@ -6,14 +6,17 @@ Every type kept here dequantizes (in gguf's own ``dequantize``) as ``fl(s * q)``
 
 | GGUF | q | s, m per | nxdc format |
 |---|---|---|---|
-| Q8_0 | −128..127 | 32: d | int8 sym g32 |
-| Q4_0 | nibble − 8 | 32: d | int4 sym g32 |
-| Q4_1 | nibble | 32: d, m | int4 asym g32 |
-| Q5_0 | 5 bits − 16 | 32: d | int8 sym g32 |
-| Q5_1 | 5 bits | 32: d, m | int8 asym g32 |
+| Q8_0 | −128..127 | 32: d | int8 sym g32, fp16 scales |
+| Q4_0 | nibble − 8 | 32: d | int4 sym g32, fp16 scales |
+| Q4_1 | nibble | 32: d, m | int4 asym g32, fp16 scales |
+| Q5_0 | 5 bits − 16 | 32: d | int8 sym g32, fp16 scales |
+| Q5_1 | 5 bits | 32: d, m | int8 asym g32, fp16 scales |
 | Q4_K | nibble | 32: d·sc, −dmin·m | int4 asym g32 |
 | Q5_K | 5 bits | 32: d·sc, −dmin·m | int8 asym g32 |
 | Q6_K | 6 bits − 32 | 16: d·sc | int8 sym g16 |
+
+The first five store d and m as fp16, so nxdc keeps them as fp16 (its ``-f16`` formats); a K-quant's
+d·sc (an fp16 times a 6-bit integer) needs up to 17 significant bits, so those keep fp32.
 
 nxdc's kernels form exactly those values (``model/quant.py``: multiply, then add), so the export
 holds the source's bits: ``requantize`` recovers ``q`` from the dequantized values and the known
@@ -32,35 +35,38 @@ import torch
 from nxdc.model.quant import dequantize_int4, dequantize_int8, pack_int4
 from nxdc.model.weight_format import WeightFormat
 
-# GGUF type name -> (kind, inputs per scale, has a min)
+# GGUF type name -> (kind, inputs per scale, has a min, fp16 scales and mins)
 KEPT = {
-    "Q8_0": ("int8", 32, False),
-    "Q4_0": ("int4", 32, False),
-    "Q4_1": ("int4", 32, True),
-    "Q5_0": ("int8", 32, False),
-    "Q5_1": ("int8", 32, True),
-    "Q4_K": ("int4", 32, True),
-    "Q5_K": ("int8", 32, True),
-    "Q6_K": ("int8", 16, False),
+    "Q8_0": ("int8", 32, False, True),
+    "Q4_0": ("int4", 32, False, True),
+    "Q4_1": ("int4", 32, True, True),
+    "Q5_0": ("int8", 32, False, True),
+    "Q5_1": ("int8", 32, True, True),
+    "Q4_K": ("int4", 32, True, False),
+    "Q5_K": ("int8", 32, True, False),
+    "Q6_K": ("int8", 16, False, False),
 }
 
 
 def kept_format(type_name: str) -> WeightFormat | None:
     """The nxdc format that holds a GGUF type's values exactly; None if it is not kept."""
     k = KEPT.get(type_name)
-    return WeightFormat(k[0], k[1], k[2]) if k else None
+    return WeightFormat(*k) if k else None
 
 
 def common_format(formats: list[WeightFormat | None]) -> WeightFormat | None:
     """One format for a fused weight whose parts come as ``formats``: theirs where they agree,
     else int8 with the smallest group and a min if any part has one (int8 holds every kept type's
-    q: nibbles, 5 and 6 bits; a sym part gets min 0, which adds exactly nothing). None if a part
-    is not kept (the weight is then stored dequantized)."""
+    q: nibbles, 5 and 6 bits; a sym part gets min 0, which adds exactly nothing), with fp16 scales
+    only if every part has them. None if a part is not kept (the weight is then stored
+    dequantized)."""
     if any(f is None for f in formats):
         return None
     if len(set(formats)) == 1:
         return formats[0]
-    return WeightFormat("int8", min(f.group for f in formats), any(f.asym for f in formats))
+    return WeightFormat(
+        "int8", min(f.group for f in formats), any(f.asym for f in formats), all(f.half for f in formats)
+    )
 
 
 def _f16(b: np.ndarray) -> np.ndarray:
@@ -124,6 +130,18 @@ def requantize(
     return stored, scale, (mins if fmt.asym else None)
 
 
+def _stored_params(
+    scale: torch.Tensor, mins: torch.Tensor, fmt: WeightFormat
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A group's scale and min in the format's dtype: fp16 only where that holds them exactly."""
+    if not fmt.half:
+        return scale, mins
+    s16, m16 = scale.half(), mins.half()
+    if not (torch.equal(s16.float(), scale) and torch.equal(m16.float(), mins)):
+        raise AssertionError(f"{fmt.name}: a GGUF scale or min is not an fp16 value")
+    return s16, m16
+
+
 def _requantize_rows(w, s, m, fmt: WeightFormat, name: str) -> tuple[tuple[torch.Tensor, ...], int]:
     """``requantize`` of some rows: ``((q, scale, min), values not given back exactly)``."""
     n, k = w.shape
@@ -131,7 +149,7 @@ def _requantize_rows(w, s, m, fmt: WeightFormat, name: str) -> tuple[tuple[torch
     sg, mg = s.reshape(n, k // g, g), m.reshape(n, k // g, g)
     if not (torch.equal(sg, sg[..., :1].expand_as(sg)) and torch.equal(mg, mg[..., :1].expand_as(mg))):
         raise AssertionError(f"{name}: GGUF scales change within a {g}-weight group of {fmt.name}")
-    scale, mins = sg[..., 0].contiguous(), mg[..., 0].contiguous()
+    scale, mins = _stored_params(sg[..., 0].contiguous(), mg[..., 0].contiguous(), fmt)
     sd = s.double()
     safe = torch.where(sd != 0, sd, torch.ones_like(sd))
     q = torch.round((w.double() - m.double()) / safe).where(sd != 0, torch.zeros_like(sd))
