@@ -151,7 +151,14 @@ def gguf_weight_map(src: ModelSource, spec: ModelSpec, plan: ExportPlan) -> dict
     out = {}
     for module, formats in parts.items():
         f = common_format(formats)
-        if f is not None and ranked.get_submodule(module).weight.shape[1] % f.group == 0:
+        if f is None:
+            continue
+        k = ranked.get_submodule(module).weight.shape[1]  # per rank
+        if f.scales == "k" and (module == "embed_tokens" or f.check_inputs(k, module)):
+            # the same values with one fp32 scale (and min) a group: an embedding lookup dequantizes
+            # in PyTorch ops, and a rank's cut must fall on a super-block for two-level scales
+            f = dataclasses.replace(f, scales="f32")
+        if f.check_inputs(k, module) is None:
             out[module] = f.name
     if spec.tie_word_embeddings and "embed_tokens" in out:  # the lm_head is the embedding
         out["lm_head"] = out["embed_tokens"]
@@ -238,9 +245,9 @@ def stored_tensors(
         return {name: w.to(dtype).contiguous()}
     f = weight_format.parse(fmt)
     if f.kind == "int4":
-        q, scale, mins = quantize_int4(w, f.group, f.asym, f.half)
+        q, scale, mins = quantize_int4(w, f.group, f.asym, f.scales == "f16")
     else:
-        q, scale = quantize_int8(w, f.group, f.half)
+        q, scale = quantize_int8(w, f.group, f.scales == "f16")
         mins = None
         if f.asym:
             raise UnsupportedError(f"--weights {fmt}: int8 with mins is kept from GGUF files only")

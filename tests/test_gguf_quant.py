@@ -5,11 +5,14 @@ its dequantized fp32 export."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
 from cpu_paths import VNNI
 
+from nxdc.model.quant import group_values
 from nxdc.model.sharding import HEAD_COLS, Q_HEADS, shard_layout
 from nxdc.model.weight_format import WeightFormat
 from nxdc.weights.gguf_index import IndexedTensor
@@ -93,11 +96,16 @@ def test_every_kept_type_is_stored_bit_exact(type_name, gguf_file, monkeypatch):
     fmt = kept_format(type_name)
     q, scale, mins = requantize(w, s, m, fmt, type_name)
     assert q.dtype == (torch.uint8 if fmt.kind == "int4" else torch.int8)
-    assert scale.shape == (6, 512 // fmt.group) and (mins is not None) == fmt.asym
-    # the types whose file stores d (and m) as fp16 keep them so; a K-quant's d * sc needs fp32
-    half = type_name in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
-    assert fmt.half == half and scale.dtype == (torch.float16 if half else torch.float32)
-    assert mins is None or mins.dtype == scale.dtype
+    assert (mins is not None) == fmt.asym and (mins is None or mins.shape == scale.shape)
+    # the types whose file stores d (and m) as fp16 keep them so; a K-quant's d * sc as the file
+    # does: an fp16 per 256 weights (2 bytes) and an int8 per group
+    if type_name in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"):
+        assert fmt.scales == "f16" and scale.dtype == torch.float16 and scale.shape == (6, 512 // fmt.group)
+    else:
+        assert (
+            fmt.scales == "k" and scale.dtype == torch.uint8 and scale.shape == (6, 2 * 2 + 512 // fmt.group)
+        )
+    assert torch.equal(group_values(scale, 512), s.reshape(6, -1, fmt.group)[..., 0])
     from nxdc.model.quant import dequantize_int4, dequantize_int8
 
     back = dequantize_int4(q, scale, mins) if fmt.kind == "int4" else dequantize_int8(q, scale, mins)
@@ -147,7 +155,7 @@ def test_mixed_parts_share_an_int8_format_that_holds_both():
     the smaller group: both parts' values exactly."""
     a, b = random_tensor("Q4_K", 4, 256, 1), random_tensor("Q6_K", 2, 256, 2)
     fmt = common_format([kept_format("Q4_K"), kept_format("Q6_K")])
-    assert fmt == WeightFormat("int8", 16, True)
+    assert fmt == WeightFormat("int8", 16, True, "k")
     both = torch.cat([GGUFTensor(a, None).with_params().read(), GGUFTensor(b, None).with_params().read()])
     w, s, m = both.unbind(-1)
     q, scale, mins = requantize(w, s, m, fmt, "qkv")
@@ -155,10 +163,10 @@ def test_mixed_parts_share_an_int8_format_that_holds_both():
 
     assert torch.equal(dequantize_int8(q, scale, mins), torch.cat([reference(a), reference(b)]))
     assert common_format([kept_format("Q4_K"), kept_format("F16")]) is None  # F16 is not kept
-    assert common_format([kept_format("Q4_0")] * 3) == WeightFormat("int4", 32, False, True)
-    # fp16 scales only where every part has them
-    assert common_format([kept_format("Q4_0"), kept_format("Q8_0")]) == WeightFormat("int8", 32, False, True)
-    assert common_format([kept_format("Q4_1"), kept_format("Q4_K")]) == WeightFormat("int8", 32, True, False)
+    assert common_format([kept_format("Q4_0")] * 3) == WeightFormat("int4", 32, False, "f16")
+    # the parts' scale storage where they share it, else fp32
+    assert common_format([kept_format("Q4_0"), kept_format("Q8_0")]) == WeightFormat("int8", 32, False, "f16")
+    assert common_format([kept_format("Q4_1"), kept_format("Q4_K")]) == WeightFormat("int8", 32, True, "f32")
 
 
 def test_scales_follow_tensor_parallel_cuts_and_head_permutation():
@@ -176,6 +184,7 @@ def test_scales_follow_tensor_parallel_cuts_and_head_permutation():
     ref = GGUFTensor(t, spec.head_dim).read()  # un-permuted values
     assert torch.equal(GGUFTensor(t, spec.head_dim).with_params().read()[..., 0], ref)
     fmt = kept_format("Q4_K")
+    flat = dataclasses.replace(fmt, scales="f32")  # where a rank's columns split a super-block
     for role in (Q_HEADS, HEAD_COLS):
         for rank in range(2):
             w, s, m = rank_tensor(
@@ -184,7 +193,13 @@ def test_scales_follow_tensor_parallel_cuts_and_head_permutation():
             assert torch.equal(
                 w, rank_tensor(role, "weight", GGUFTensor(t, spec.head_dim), spec, layout, rank)
             )
-            requantize(w, s, m, fmt, role)  # raises unless exact
+            if role == HEAD_COLS:  # 128 of a row's 256 inputs: half a super-block
+                assert fmt.check_inputs(w.shape[1], "o_proj") == (
+                    "o_proj has 128 inputs per row, which 256-weight super-blocks do not divide"
+                )
+                with pytest.raises(AssertionError, match="256-weight super-blocks"):
+                    requantize(w, s, m, fmt, role)
+            requantize(w, s, m, flat if role == HEAD_COLS else fmt, role)  # raises unless exact
     w, s, m = GGUFTensor(t, None).with_params().read().unbind(-1)
     with pytest.raises(AssertionError, match="change within a 32-weight group"):
         requantize(w[:, 16:240], s[:, 16:240], m[:, 16:240], fmt, "cut")
@@ -261,15 +276,19 @@ def test_kquant_gguf_kept_as_stored_gives_the_dequantized_logits(kquant_gguf):
         for k, v in plan.weight_map.items()
         if k.startswith("layers.0.")
     }
-    assert layer == {
-        "self_attn.qkv_proj": "int8-asym-g16",  # Q4_K q, k with a Q6_K v
-        "self_attn.o_proj": "int4-asym-g32",
-        "mlp.gate_up_proj": "int4-asym-g32",
-        "mlp.down_proj": "int8-g16",
+    assert layer == {  # two-level scales (-k), as the file stores them
+        "self_attn.qkv_proj": "int8-asym-g16-k",  # Q4_K q, k with a Q6_K v
+        "self_attn.o_proj": "int4-asym-g32-k",
+        "mlp.gate_up_proj": "int4-asym-g32-k",
+        "mlp.down_proj": "int8-g16-k",
     }
+    # the embedding (tied: the lm_head) keeps the same values with fp32 scales: a lookup
+    # dequantizes in PyTorch ops
     assert plan.weight_map["embed_tokens"] == plan.weight_map["lm_head"] == "int4-asym-g32"
     tp2 = prepare(str(kquant_gguf), ExportOptions(sequence_length=128, weights="auto", tp=2))[3]
-    assert tp2.weight_map == plan.weight_map
+    # at tp 2 o_proj's 256 inputs split into 128 a rank: half a super-block, so fp32 scales
+    o_proj = {k: "int4-asym-g32" for k in plan.weight_map if k.endswith("o_proj")}
+    assert tp2.weight_map == plan.weight_map | o_proj
     (r,) = measure_formats(
         str(kquant_gguf), ExportOptions(sequence_length=128, decode_matmul="int8"), ["auto"]
     )

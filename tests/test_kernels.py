@@ -255,27 +255,54 @@ def test_bad_arguments_raise():
         torch.ops.nxdc.linear_i8(x, q, s.half())  # per-row scales stay fp32
 
 
-@pytest.mark.parametrize("k", [160, 576, 1024])  # 5, 18 and 32 groups a row: the conversion's tails
-def test_fp16_scales_equal_their_fp32_values(k):
-    """Every op that takes int8 / int4 weights gives, with fp16 group scales and mins, exactly
-    what it gives with the same values in fp32 (the kernels convert a row's scales exactly):
-    exact, integer (decode) and tile (prefill) paths, linear and SwiGLU, 1 to 40 rows."""
+def _two_level(n: int, k: int, group: int, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random group values as a K-quant stores them (an fp16 per 256 weights times an int8 per
+    group): (the two-level layout, the fp32 values)."""
+    from nxdc.weights.gguf_quant import k_factors
+
+    d = (torch.rand(n, k // 256, 1) * 0.01 + 1e-4).half().float()
+    c = torch.randint(-128 if signed else 0, 128 if signed else 64, (n, k // 256, 256 // group)).float()
+    v = (d * c).reshape(n, k // group)
+    return k_factors(v, 256 // group), v
+
+
+@pytest.mark.parametrize(
+    "storage, k", [("f16", 160), ("f16", 576), ("f16", 1024), ("k", 256), ("k", 1024), ("k", 2304)]
+)  # f16: 5, 18 and 32 groups a row (the conversion's tails); k: 1, 4 and 9 super-blocks
+def test_stored_scales_equal_their_fp32_values(storage, k):
+    """Every op that takes int8 / int4 weights gives, with fp16 or two-level (GGUF K-quant) group
+    scales and mins, exactly what it gives with the same values in fp32 (the kernels expand a
+    row's scales exactly): exact, integer (decode) and tile (prefill) paths, linear and SwiGLU,
+    1 to 40 rows."""
     torch.manual_seed(k)
     ops = torch.ops.nxdc
     w = torch.randn(48, k)
-    cases = [quantize_int4(w, 32, True, half=True), quantize_int4(w, 32, False, half=True)]
-    cases.append((*quantize_int8(w, 32, half=True), None))
+    if storage == "f16":
+        cases = [quantize_int4(w, 32, True, half=True), quantize_int4(w, 32, False, half=True)]
+        cases.append((*quantize_int8(w, 32, half=True), None))
+        cases = [(q, s, m, s.float(), None if m is None else m.float()) for q, s, m in cases]
+    else:  # Q4_K (int4 + min, g32), Q6_K (int8 sym, g16), Q4_K + Q6_K fused (int8 + min, g16)
+        s4, s4v = _two_level(48, k, 32, False)
+        m4, m4v = _two_level(48, k, 32, True)
+        s8, s8v = _two_level(48, k, 16, True)
+        m8, m8v = _two_level(48, k, 16, True)
+        q4 = pack_int4(torch.randint(0, 16, (48, k)))
+        q8 = torch.randint(-128, 128, (48, k), dtype=torch.int8)
+        cases = [(q4, s4, m4, s4v, m4v), (q8, s8, None, s8v, None), (q8, s8, m8, s8v, m8v)]
+        assert torch.equal(dequantize_int4(q4, s4, m4), dequantize_int4(q4, s4v, m4v))
+        assert torch.equal(dequantize_int8(q8, s8, m8), dequantize_int8(q8, s8v, m8v))
     for rows in (1, 3, 9, 40):
         x = torch.randn(rows, k)
-        for q, s, m in cases:
-            assert s.dtype == torch.float16 and (m is None or m.dtype == torch.float16)
+        for q, s, m, s32, m32 in cases:
+            assert s.dtype == (torch.float16 if storage == "f16" else torch.uint8)
             tail = () if m is None else (m,)
-            tail32 = () if m is None else (m.float(),)
+            tail32 = () if m is None else (m32,)
+            s32 = s32.contiguous()
             for name in ("linear_q8", "prefill_linear", "swiglu_q8", "prefill_swiglu", "swiglu"):
                 f = getattr(ops, name)
-                assert torch.equal(f(x, q, s, *tail), f(x, q, s.float(), *tail32)), (name, rows, q.dtype)
+                assert torch.equal(f(x, q, s, *tail), f(x, q, s32, *tail32)), (name, rows, q.dtype)
             f = ops.linear_i4 if q.dtype == torch.uint8 else ops.linear_i8
-            assert torch.equal(f(x, q, s, *tail), f(x, q, s.float(), *tail32)), (rows, q.dtype)
+            assert torch.equal(f(x, q, s, *tail), f(x, q, s32, *tail32)), (rows, q.dtype)
 
 
 def test_quantize_int4_round_trip():

@@ -78,7 +78,7 @@ def test_reduced_weights_stay_close_to_fp32_tiny(fmt, kernels):
             (lin.weight.shape[0],) if f.group is None else (lin.weight.shape[0], k // f.group)
         )
         assert hasattr(lin, "min") == f.asym
-        assert lin.scale.dtype == (torch.float16 if f.half else torch.float32)  # int4: fp16 unless -f32
+        assert lin.scale.dtype == (torch.float16 if f.scales == "f16" else torch.float32)  # int4: fp16 unless -f32
     err = float((_prefill_logits(ref) - _prefill_logits(low)).abs().max())
     assert 0 < err < TINY_TOL[fmt], err  # > 0: the format really is in use
 
@@ -277,6 +277,7 @@ def test_weights_option_validation(tiny_gqa, tmp_path):
         (("--weights", "int4-g48"), "multiple of 32"),
         (("--weights", "int8-g8"), "multiple of 16"),
         (("--weights", "int8-asym"), "not a choice"),
+        (("--weights", "int4-k"), "come only from a GGUF file's K-quants"),
     ]:
         res = dry(*flags)
         assert res.exit_code != 0 and why in res.output and "Traceback" not in res.output, res.output
@@ -361,3 +362,19 @@ def test_kv_cache_follows_16bit_weights_by_default(tiny_gqa, tmp_path):
     assert plan("--weights", "fp16", "--kv-cache", "bf16")["plan"]["kv_cache"] == "bf16"
     assert plan("--weights", "int8")["plan"]["kv_cache"] is None
     assert fp32["plan"]["kv_cache"] is None
+
+
+def test_format_names_round_trip():
+    """Every format's canonical name (as plans and manifests store it) parses back to it: fp32,
+    fp16 and two-level scales alike; names that are not canonical are refused."""
+    from nxdc.weights.gguf_quant import KEPT, kept_format
+
+    names = [weight_format.from_user(v).name for v in ("int8", "int8-row", "int4", "int4-sym", "int4-f32")]
+    names += [kept_format(t).name for t in KEPT]
+    assert {"int8-g32", "int8", "int4-asym-g32-f16", "int4-sym-g32-f16", "int4-asym-g32"} <= set(names)
+    assert {"int4-asym-g32-k", "int8-g16-k", "int8-asym-g32-k", "int8-g32-f16"} <= set(names)
+    for name in names:
+        assert weight_format.parse(name).name == name
+    for bad in ("int4-asym-g32-f32", "int4-g32", "int8-g48-k", "int4-asym-f16"):
+        with pytest.raises(ValueError):
+            weight_format.parse(bad)

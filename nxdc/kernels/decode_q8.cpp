@@ -285,9 +285,8 @@ void rows_all(const Weights& a, const Acts& x, int64_t M, int64_t n0, int64_t n1
 // Whether this call takes the integer path (else linear.cpp's exact kernels).
 bool integer_path(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale) {
   const auto t = w.scalar_type();
-  if (!vnni_available() || (t != at::kByte && t != at::kChar) || x.dim() != 2 || w.dim() != 2 || scale.dim() != 2)
-    return false;
-  const int64_t K = x.size(1), ng = scale.size(1);
+  if (!vnni_available() || (t != at::kByte && t != at::kChar) || x.dim() != 2 || w.dim() != 2) return false;
+  const int64_t K = x.size(1), ng = nxdc_cpu::scale_groups(scale, K);
   if (K == 0 || ng == 0 || K % ng != 0 || x.size(0) == 0 || w.size(0) == 0) return false;
   return lanes_per_scale(t == at::kByte ? Kind::I4 : Kind::I8, K / ng) != 0;
 }
@@ -306,9 +305,9 @@ Call prepare(const at::Tensor& x_, const at::Tensor& w_, const at::Tensor& scale
   c.w = w_.contiguous();
   c.s = scale.contiguous();
   if (min.has_value()) c.m = min->contiguous();
-  const int64_t K = c.x.size(1), ng = c.s.size(1);
+  const int64_t K = c.x.size(1), ng = nxdc_cpu::scale_groups(c.s, K);
   c.F = c.w.scalar_type() == at::kByte ? Kind::I4 : Kind::I8;
-  c.a = Weights{static_cast<const uint8_t*>(c.w.data_ptr()), nxdc_cpu::group_rows(c.s), nxdc_cpu::group_rows(c.m), K, c.w.size(0), ng, K / ng};
+  c.a = Weights{static_cast<const uint8_t*>(c.w.data_ptr()), nxdc_cpu::group_rows(c.s, K), nxdc_cpu::group_rows(c.m, K), K, c.w.size(0), ng, K / ng};
   c.lps = lanes_per_scale(c.F, K / ng);
   const float* xp = c.x.data_ptr<float>();
   const int64_t M = c.x.size(0);

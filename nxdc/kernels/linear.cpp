@@ -1,14 +1,17 @@
 // Linear layers for fp32 activations: out[M, N] = x[M, K] @ dequant(w)[N, K]^T with fp32
 // accumulation and weights stored as fp32, fp16, bf16, int8 or int4 (int8: one fp32 scale per
 // output row or per group of G consecutive inputs of a row; int4: per group; both optionally with
-// a per-group fp32 min, w = q * s + m).
+// a per-group min, w = q * s + m). Group scales and mins are fp32, fp16 or two-level (a GGUF
+// K-quant's: an fp16 per 256 weights times an int8 per group), expanded to fp32 a row at a time
+// (linear.h: GroupRows).
 //
 //   nxdc::linear_f32(x, w)                 w: float32  [N, K]
 //   nxdc::linear_f16(x, w)                 w: float16  [N, K]
 //   nxdc::linear_bf16(x, w)                w: bfloat16 [N, K]
 //   nxdc::linear_i8(x, w, scale, min=None) w: int8 [N, K]; scale: float32 [N] (per row) or
-//                                          [N, K / G] (per group, G = K / scale.size(1), G % 16 == 0);
-//                                          min: [N, K / G] (w = q * s + m) or None (w = q * s)
+//                                          [N, K / G] (per group, G % 16 == 0; float32 / float16,
+//                                          or two-level uint8 [N, 2 K / 256 + K / G]);
+//                                          min: like scale (w = q * s + m) or None (w = q * s)
 //   nxdc::linear_i4(x, w, scale, min=None) w: uint8 [N, K / 2], two weights a byte in 32-weight
 //                                          blocks (Store<Fmt::I4>); scale [N, K / G], G % 32 == 0;
 //                                          no min: w = (nibble - 8) * s, with min: nibble * s + m
@@ -103,9 +106,47 @@ NXDC_AVX512 static void halves_to_floats512(const uint16_t* h, float* d, int64_t
   }
 }
 
+// Two-level scales of one row: o[g] = d[g / gps] * c[g]. AVX-512, 16 groups a step: gps 8 (Q4_K,
+// Q5_K: two d's a step) or 16 (Q6_K: one); other gps, or the AVX2 path: a d at a time.
+NXDC_AVX512 static void expand_k512(const uint16_t* d, const int8_t* c, int64_t ng, int64_t gps, float* o) {
+  const __m512i two = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+  for (int64_t g = 0; g < ng; g += 16) {
+    const __m512 cv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + g))));
+    __m512 dv;
+    if (gps == 8) {
+      int32_t pair;  // the two d's of these 16 groups
+      std::memcpy(&pair, d + g / 8, 4);
+      dv = _mm512_permutexvar_ps(two, _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128(pair))));
+    } else {
+      dv = _mm512_set1_ps(_cvtsh_ss(d[g / 16]));
+    }
+    _mm512_storeu_ps(o + g, _mm512_mul_ps(dv, cv));
+  }
+}
+
+NXDC_AVX2 static void expand_k(const uint16_t* d, const int8_t* c, int64_t ng, int64_t gps, float* o) {
+  if (has_avx512() && (gps == 8 || gps == 16) && ng % 16 == 0) return expand_k512(d, c, ng, gps, o);
+  for (int64_t b = 0; b < ng / gps; ++b) {
+    const __m256 f = _mm256_set1_ps(_cvtsh_ss(d[b]));
+    int64_t j = b * gps;
+    for (; j + 8 <= (b + 1) * gps; j += 8) {
+      const __m256i cv = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + j)));
+      _mm256_storeu_ps(o + j, _mm256_mul_ps(f, _mm256_cvtepi32_ps(cv)));
+    }
+    for (; j < (b + 1) * gps; ++j) o[j] = _mm256_cvtss_f32(f) * static_cast<float>(c[j]);
+  }
+}
+
+int64_t GroupRows::row_bytes() const { return kind == Kind::K ? 2 * nsb + ng : ng * (kind == Kind::F16 ? 2 : 4); }
+
 NXDC_AVX2 const float* GroupRows::row(int64_t n, float* buf) const {
   if (!p) return nullptr;
-  if (!half) return static_cast<const float*>(p) + n * ng;
+  if (kind == Kind::F32) return static_cast<const float*>(p) + n * ng;
+  if (kind == Kind::K) {
+    const uint8_t* r = static_cast<const uint8_t*>(p) + n * row_bytes();
+    expand_k(reinterpret_cast<const uint16_t*>(r), reinterpret_cast<const int8_t*>(r + 2 * nsb), ng, ng / nsb, buf);
+    return buf;
+  }
   const uint16_t* h = static_cast<const uint16_t*>(p) + n * ng;
   if (has_avx512()) {
     halves_to_floats512(h, buf, ng);
@@ -120,13 +161,44 @@ NXDC_AVX2 const float* GroupRows::row(int64_t n, float* buf) const {
 
 GroupRows GroupRows::from(int64_t n0) const {
   GroupRows r = *this;
-  if (p) r.p = static_cast<const char*>(p) + n0 * ng * (half ? 2 : 4);
+  if (p) r.p = static_cast<const char*>(p) + n0 * row_bytes();
   return r;
 }
 
-GroupRows group_rows(const at::Tensor& t) {
+int64_t scale_groups(const at::Tensor& t, int64_t K) {
+  if (t.dim() != 2) return 0;
+  if (t.scalar_type() == at::kFloat || t.scalar_type() == at::kHalf) return t.size(1);
+  if (t.scalar_type() != at::kByte || K <= 0 || K % SUPER) return 0;
+  const int64_t nsb = K / SUPER, ng = t.size(1) - 2 * nsb;  // whole groups a super-block
+  return ng > 0 && ng % nsb == 0 ? ng : 0;
+}
+
+GroupRows group_rows(const at::Tensor& t, int64_t K) {
   if (!t.defined()) return {};
-  return {t.data_ptr(), t.scalar_type() == at::kHalf, t.dim() == 2 ? t.size(1) : 1};
+  GroupRows g;
+  g.p = t.data_ptr();
+  if (t.scalar_type() == at::kByte) {
+    g.kind = GroupRows::Kind::K;
+    g.nsb = K / SUPER;
+    g.ng = scale_groups(t, K);
+  } else {
+    g.kind = t.scalar_type() == at::kHalf ? GroupRows::Kind::F16 : GroupRows::Kind::F32;
+    g.ng = t.dim() == 2 ? t.size(1) : 1;
+  }
+  return g;
+}
+
+at::Tensor scales_f32(const at::Tensor& t_, int64_t K) {
+  if (t_.scalar_type() != at::kByte) return t_.to(at::kFloat).contiguous();
+  const at::Tensor t = t_.contiguous();
+  const GroupRows g = group_rows(t, K);
+  const int64_t N = t.size(0);
+  at::Tensor out = at::empty({N, g.ng}, t.options().dtype(at::kFloat));
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) g.row(n, o + n * g.ng);
+  });
+  return out;
 }
 
 float* scratch_floats(int64_t n) {
@@ -819,12 +891,10 @@ Call prepare(const char* name, const at::Tensor& x, const at::Tensor& w, const a
   c.M = x.size(0);
   int64_t ng = 0;
   if (scale) {
-    TORCH_CHECK((scale->scalar_type() == at::kFloat || (scale->scalar_type() == at::kHalf && scale->dim() == 2)) &&
+    TORCH_CHECK(((scale->scalar_type() == at::kFloat && scale->dim() == 1) || nxdc_cpu::scale_groups(*scale, K) > 0) &&
                     scale->device().is_cpu(),
-                name, ": scale must be a float32 CPU tensor (group scales: float32 or float16), got ",
-                scale->scalar_type(), " ", scale->sizes());
-    TORCH_CHECK(scale->dim() == 1 || scale->dim() == 2, name, ": scale must be [N] or [N, K / G], got ",
-                scale->sizes());
+                name, ": scale must be a float32 CPU tensor [N] or [N, K / G] (group scales: float32 or float16, "
+                "or two-level: uint8 [N, 2 * K / 256 + K / G]), got ", scale->scalar_type(), " ", scale->sizes());
     TORCH_CHECK(scale->size(0) == N, name, ": scale has ", scale->size(0), " rows, w has ", N);
     c.scale = scale->contiguous();
     if (scale->dim() == 1) {
@@ -832,7 +902,7 @@ Call prepare(const char* name, const at::Tensor& x, const at::Tensor& w, const a
       c.S = Scale::Row;
       ng = 1;
     } else {
-      ng = scale->size(1);
+      ng = nxdc_cpu::scale_groups(*scale, K);
       const int64_t unit = F == Fmt::I4 ? 32 : 16;
       TORCH_CHECK(ng > 0 && K % ng == 0 && (K / ng) % unit == 0, name, ": group scales [N, K / G] need G = K / ",
                   "scale.size(1) to be a whole multiple of ", unit, "; got K=", K, " and ", ng, " groups");
@@ -853,8 +923,8 @@ Call prepare(const char* name, const at::Tensor& x, const at::Tensor& w, const a
   c.w = w.contiguous();
   c.a = Args{c.x.data_ptr<float>(),
              c.w.data_ptr(),
-             nxdc_cpu::group_rows(c.scale),
-             nxdc_cpu::group_rows(c.mins),
+             nxdc_cpu::group_rows(c.scale, K),
+             nxdc_cpu::group_rows(c.mins, K),
              c.gidx.data(),
              nullptr,
              K,

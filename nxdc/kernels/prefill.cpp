@@ -218,9 +218,9 @@ bool tiled(const at::Tensor& x, const at::Tensor& w) {
 at::Tensor tiled_linear(const at::Tensor& x_, const at::Tensor& w_, const at::Tensor* scale, const at::Tensor* mins) {
   const at::Tensor x = x_.contiguous(), w = w_.contiguous();
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  // fp16 group scales and mins (--weights int4) converted once a call: a prompt's products cost
-  // far more than the conversion (2 bytes a 32-weight group)
-  auto f32 = [](const at::Tensor* t) { return t ? t->to(at::kFloat).contiguous() : at::Tensor(); };
+  // fp16 or two-level (GGUF K-quant) group scales and mins converted once a call: a prompt's
+  // products cost far more than the conversion (a few bytes a 32-weight group)
+  auto f32 = [&](const at::Tensor* t) { return t ? nxdc_cpu::scales_f32(*t, K) : at::Tensor(); };
   at::Tensor s = f32(scale), m = f32(mins);
   Weights a{w.data_ptr(), s.defined() ? s.data_ptr<float>() : nullptr, m.defined() ? m.data_ptr<float>() : nullptr,
             K, N, 0, K};

@@ -12,7 +12,7 @@ from torch import nn
 
 from nxdc.model.quant import dequantize_int4, dequantize_int8
 from nxdc.model.sharding import MLP_COLS, MLP_ROWS, REPLICATED, Part
-from nxdc.model.weight_format import WeightFormat, parse
+from nxdc.model.weight_format import SUPER, WeightFormat, parse
 from nxdc.spec import ModelSpec, RopeSpec
 
 
@@ -96,8 +96,8 @@ class Linear(nn.Module):
     activations (``--dtype``) go in as fp32 and come out rounded to their dtype.
 
     ``store_as(name)`` keeps the weight in that format (``model/weight_format.py``: fp16, bf16, or
-    int8 / int4 with an fp32 or fp16 ``scale`` per row or group and, asymmetric, a ``min`` per
-    group);
+    int8 / int4 with a ``scale`` per row or group and, asymmetric, a ``min`` per group: fp32,
+    fp16 or two-level, ``model/quant.py: group_values``);
     activations, bias and accumulation stay in the compute dtype. Without the kernels (CUDA, CPUs
     without AVX2) a stored weight is converted per call and PyTorch's matmul runs."""
 
@@ -133,11 +133,17 @@ class Linear(nn.Module):
             torch.empty(shape, dtype=STORED[f.kind], device=w.device), requires_grad=False
         )
         if f.quantized:
-            scales = (n,) if f.group is None else (n, k // f.group)
-            sdtype = torch.float16 if f.half else torch.float32
-            self.scale = nn.Parameter(torch.empty(scales, dtype=sdtype, device=w.device))
+            if f.scales == "k":  # two-level: per row an fp16 a super-block, an int8 a group (bytes)
+                scales, sdtype = (n, 2 * (k // SUPER) + k // f.group), torch.uint8
+            else:
+                scales = (n,) if f.group is None else (n, k // f.group)
+                sdtype = torch.float16 if f.scales == "f16" else torch.float32
+            grad = sdtype.is_floating_point
+            self.scale = nn.Parameter(torch.empty(scales, dtype=sdtype, device=w.device), requires_grad=grad)
             if f.asym:
-                self.min = nn.Parameter(torch.empty(scales, dtype=sdtype, device=w.device))
+                self.min = nn.Parameter(
+                    torch.empty(scales, dtype=sdtype, device=w.device), requires_grad=grad
+                )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         k = x.shape[-1]

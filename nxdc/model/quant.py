@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import torch
 
+from nxdc.model.weight_format import SUPER
+
 QMAX = 127
 SCALE_STEPS = tuple(range(33))  # a group's scale: max|w| / (QMAX - t), t one of these
 # quantize_int8 works this many weights at a time: the scale search's three fp32 buffers stay
@@ -104,17 +106,32 @@ def _least_error_scale(wg: torch.Tensor) -> torch.Tensor:
     return amax / best_n
 
 
+def group_values(t: torch.Tensor, k: int) -> torch.Tensor:
+    """Group scales or mins of rows of ``k`` inputs as fp32 ``[N, ng]``, from any stored layout:
+    fp32 / fp16 ``[N, ng]``, or two-level, a GGUF K-quant's: uint8 ``[N, 2 * nsb + ng]`` with
+    ``nsb = k / 256``, per row the nsb fp16 factors ``d`` (one a super-block), then the ng int8
+    factors ``c`` (one a group); a group's value is ``d * c``, exact in fp32 (the kernels'
+    ``nxdc_cpu::GroupRows``)."""
+    if t.dtype != torch.uint8:
+        return t.to(torch.float32)
+    nsb = k // SUPER
+    d = t[:, : 2 * nsb].contiguous().view(torch.float16).to(torch.float32)  # [N, nsb]
+    c = t[:, 2 * nsb :].view(torch.int8).to(torch.float32)
+    return (c.reshape(t.shape[0], nsb, -1) * d.unsqueeze(-1)).reshape(c.shape)
+
+
 def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 ``q * scale`` (``+ min``) exactly as the kernels form it (per row, or per group with
-    the group size ``K // scale.shape[1]``)."""
+    the group size ``K // groups``; scales in any layout ``group_values`` reads)."""
     n, k = q.shape
     if scale.dim() == 1:
         return q.to(torch.float32) * scale.to(torch.float32).unsqueeze(1)
-    ng = scale.shape[1]
+    s = group_values(scale, k)
+    ng = s.shape[1]
     _check_group(k, k // ng if ng else 0)
-    qg = q.to(torch.float32).reshape(n, ng, k // ng) * scale.to(torch.float32).unsqueeze(-1)
+    qg = q.to(torch.float32).reshape(n, ng, k // ng) * s.unsqueeze(-1)
     if mins is not None:
-        qg = qg + mins.to(torch.float32).unsqueeze(-1)
+        qg = qg + group_values(mins, k).unsqueeze(-1)
     return qg.reshape(n, k)
 
 
@@ -179,10 +196,11 @@ def dequantize_int4(
     ``nibble * scale + min``."""
     nib = unpack_int4(packed).to(torch.float32)
     n, k = nib.shape
-    ng = scale.shape[1]
+    s = group_values(scale, k)
+    ng = s.shape[1]
     _check_int4_group(k, k // ng if ng else 0)
     q = nib if mins is not None else nib - 8
-    w = q.reshape(n, ng, k // ng) * scale.to(torch.float32).unsqueeze(-1)
+    w = q.reshape(n, ng, k // ng) * s.unsqueeze(-1)
     if mins is not None:
-        w = w + mins.to(torch.float32).unsqueeze(-1)
+        w = w + group_values(mins, k).unsqueeze(-1)
     return w.reshape(n, k)

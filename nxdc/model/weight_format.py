@@ -16,8 +16,11 @@ canonical name:
   llama.cpp's Q4_0 / Q4_1 / Q8_0 keep theirs: 16 bits a group less each. ``--weights int4`` is
   ``int4-asym-g32-f16`` (5 bits a weight, not 6; decode reads that much less); ``--weights int8``
   keeps fp32 scales (``int8-f16`` asks for fp16); ``-f32`` spells fp32 out. A GGUF's Q8_0 / Q4_0 /
-  Q4_1 / Q5_0 / Q5_1 tensors load with fp16 scales (their own), the K-quants with fp32 (a K-quant
-  scale is an fp16 times a 6-bit integer, which fp16 does not hold);
+  Q4_1 / Q5_0 / Q5_1 tensors load with fp16 scales (their own);
+- ``-k``: two-level scales, as a GGUF K-quant (Q4_K, Q5_K, Q6_K) stores them: per group an int8
+  factor, per 256 weights an fp16 factor, the group's scale their product (exact in fp32; a
+  K-quant's scale is an fp16 times a 6-bit integer, which fp16 alone does not hold). Kept K-quant
+  tensors load so (4.6 bits a weight for Q4_K, not 6); nxdc does not quantize to it itself;
 - ``gguf``: each weight as its GGUF file stores it (``--weights auto`` on a GGUF source): the plan's
   ``weight_map`` names each module's format (``nxdc.weights.gguf_quant``); modules it leaves out
   are stored in the compute dtype.
@@ -36,9 +39,11 @@ INT4_BLOCK = 32  # an int4 group is a whole number of 32-weight packed blocks
 CHOICES = ("fp32", "fp16", "bf16", "int8", "int8-row", "int4", "int4-sym", "auto")
 AUTO = "auto"  # --weights auto: a GGUF source's own formats (GGUF), else the compute dtype
 GGUF = "gguf"  # the plan's name for it
-_NAME = re.compile(r"^(int8|int4)(-sym|-asym)?(?:-g(\d+))?(?:-(f16|f32))?$")
+_NAME = re.compile(r"^(int8|int4)(-sym|-asym)?(?:-g(\d+))?(?:-(f16|f32|k))?$")
 ASYM_DEFAULT = {"int8": False, "int4": True}
-HALF_DEFAULT = {"int8": False, "int4": True}  # --weights int4: fp16 scales; int8: fp32
+SCALES = {"f32": "", "f16": "-f16", "k": "-k"}  # how group scales are stored -> the name's suffix
+SCALES_DEFAULT = {"int8": "f32", "int4": "f16"}  # --weights int4: fp16 scales; int8: fp32
+SUPER = 256  # weights a super-block of two-level ("k") scales: GGUF's QK_K
 
 
 @dataclass(frozen=True)
@@ -46,7 +51,7 @@ class WeightFormat:
     kind: str  # fp32 | fp16 | bf16 | int8 | int4
     group: int | None = None  # inputs per scale; None: per row (int8) or not quantized
     asym: bool = False  # a per-group min beside the scale
-    half: bool = False  # group scales (and mins) stored as fp16, not fp32
+    scales: str = "f32"  # how group scales (and mins) are stored: f32 | f16 | k (SCALES)
 
     @property
     def quantized(self) -> bool:
@@ -60,13 +65,14 @@ class WeightFormat:
         if self.group is None:
             return "int8"
         form = "-asym" if self.asym else ("-sym" if self.kind == "int4" else "")
-        return f"{self.kind}{form}-g{self.group}{'-f16' if self.half else ''}"
+        return f"{self.kind}{form}-g{self.group}{SCALES[self.scales]}"
 
     def check_inputs(self, k: int, what: str) -> str | None:
         """Why a weight with ``k`` inputs per row (per rank) cannot be stored so, or None."""
-        if self.group is None or k % self.group == 0:
+        if self.group is None or k % self.group == 0 and (self.scales != "k" or k % SUPER == 0):
             return None
-        return f"{what} has {k} inputs per row, which {self.group}-weight groups do not divide"
+        unit = SUPER if k % self.group == 0 else self.group
+        return f"{what} has {k} inputs per row, which {unit}-weight {'super-blocks' if unit == SUPER else 'groups'} do not divide"
 
 
 # Tables that int4 formats keep in int8 (groups of 32), as llama.cpp's 4-bit files keep their
@@ -81,7 +87,7 @@ def module_format(name: str, module: str, weight_map: dict[str, str] | None = No
         return (weight_map or {}).get(module)
     f = parse(name)
     if f.kind == "int4" and module.split(".")[0] in INT8_TABLES:
-        return WeightFormat("int8", DEFAULT_GROUP, half=f.half).name
+        return WeightFormat("int8", DEFAULT_GROUP, scales=f.scales).name
     return name
 
 
@@ -99,7 +105,7 @@ def parse(name: str) -> WeightFormat:
     m = _NAME.match(name)
     if not m or m.group(3) is None or m.group(4) == "f32":
         raise ValueError(f"not a weight format: {name!r}")
-    f = _checked(m.group(1), int(m.group(3)), _asym(m), m.group(4) == "f16", name)
+    f = _checked(m.group(1), int(m.group(3)), _asym(m), m.group(4) or "f32", name)
     if f.name != name:
         raise ValueError(f"not a canonical weight format: {name!r} (is {f.name!r})")
     return f
@@ -121,17 +127,22 @@ def from_user(value: str) -> WeightFormat:
         )
     if m.group(1) == "int8" and m.group(2) == "-asym":
         raise ValueError("--weights int8-asym is not a choice: int8's 255 levels gain nothing from a min")
+    if m.group(4) == "k":
+        raise ValueError(
+            f"--weights {value}: two-level (-k) scales come only from a GGUF file's K-quants (--weights auto)"
+        )
     group = int(m.group(3)) if m.group(3) else DEFAULT_GROUP
-    half = m.group(4) == "f16" if m.group(4) else HALF_DEFAULT[m.group(1)]
-    return _checked(m.group(1), group, _asym(m), half, value)
+    return _checked(m.group(1), group, _asym(m), m.group(4) or SCALES_DEFAULT[m.group(1)], value)
 
 
 def _asym(m: re.Match) -> bool:
     return m.group(2) == "-asym" if m.group(2) else ASYM_DEFAULT[m.group(1)]
 
 
-def _checked(kind: str, group: int, asym: bool, half: bool, value: str) -> WeightFormat:
+def _checked(kind: str, group: int, asym: bool, scales: str, value: str) -> WeightFormat:
     unit = INT4_BLOCK if kind == "int4" else 16  # the kernels' vectors never straddle a group
     if group <= 0 or group % unit:
         raise ValueError(f"--weights {value}: the {kind} group size must be a positive multiple of {unit}")
-    return WeightFormat(kind, group, asym, half)
+    if scales == "k" and SUPER % group:
+        raise ValueError(f"{value}: two-level scales need groups that divide {SUPER} weights")
+    return WeightFormat(kind, group, asym, scales)

@@ -11,12 +11,15 @@ Every type kept here dequantizes (in gguf's own ``dequantize``) as ``fl(s * q)``
 | Q4_1 | nibble | 32: d, m | int4 asym g32, fp16 scales |
 | Q5_0 | 5 bits − 16 | 32: d | int8 sym g32, fp16 scales |
 | Q5_1 | 5 bits | 32: d, m | int8 asym g32, fp16 scales |
-| Q4_K | nibble | 32: d·sc, −dmin·m | int4 asym g32 |
-| Q5_K | 5 bits | 32: d·sc, −dmin·m | int8 asym g32 |
-| Q6_K | 6 bits − 32 | 16: d·sc | int8 sym g16 |
+| Q4_K | nibble | 32: d·sc, −dmin·m | int4 asym g32, two-level scales |
+| Q5_K | 5 bits | 32: d·sc, −dmin·m | int8 asym g32, two-level scales |
+| Q6_K | 6 bits − 32 | 16: d·sc | int8 sym g16, two-level scales |
 
-The first five store d and m as fp16, so nxdc keeps them as fp16 (its ``-f16`` formats); a K-quant's
-d·sc (an fp16 times a 6-bit integer) needs up to 17 significant bits, so those keep fp32.
+The first five store d and m as fp16, so nxdc keeps them as fp16 (its ``-f16`` formats). A
+K-quant's d·sc (an fp16 times a 6-bit integer) needs up to 17 significant bits; nxdc keeps it as
+the K-quant does (``-k``: an fp16 factor per 256 weights, an int8 factor per group), factored
+back out of the group scales (``k_factors``), or, where a rank's cut or an embedding lookup rules
+two-level scales out, as fp32 (``pipeline.kept_formats``).
 
 nxdc's kernels form exactly those values (``model/quant.py``: multiply, then add), so the export
 holds the source's bits: ``requantize`` recovers ``q`` from the dequantized values and the known
@@ -32,19 +35,19 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from nxdc.model.quant import dequantize_int4, dequantize_int8, pack_int4
-from nxdc.model.weight_format import WeightFormat
+from nxdc.model.quant import dequantize_int4, dequantize_int8, group_values, pack_int4
+from nxdc.model.weight_format import SUPER, WeightFormat
 
-# GGUF type name -> (kind, inputs per scale, has a min, fp16 scales and mins)
+# GGUF type name -> (kind, inputs per scale, has a min, how scales and mins are stored)
 KEPT = {
-    "Q8_0": ("int8", 32, False, True),
-    "Q4_0": ("int4", 32, False, True),
-    "Q4_1": ("int4", 32, True, True),
-    "Q5_0": ("int8", 32, False, True),
-    "Q5_1": ("int8", 32, True, True),
-    "Q4_K": ("int4", 32, True, False),
-    "Q5_K": ("int8", 32, True, False),
-    "Q6_K": ("int8", 16, False, False),
+    "Q8_0": ("int8", 32, False, "f16"),
+    "Q4_0": ("int4", 32, False, "f16"),
+    "Q4_1": ("int4", 32, True, "f16"),
+    "Q5_0": ("int8", 32, False, "f16"),
+    "Q5_1": ("int8", 32, True, "f16"),
+    "Q4_K": ("int4", 32, True, "k"),
+    "Q5_K": ("int8", 32, True, "k"),
+    "Q6_K": ("int8", 16, False, "k"),
 }
 
 
@@ -57,15 +60,19 @@ def kept_format(type_name: str) -> WeightFormat | None:
 def common_format(formats: list[WeightFormat | None]) -> WeightFormat | None:
     """One format for a fused weight whose parts come as ``formats``: theirs where they agree,
     else int8 with the smallest group and a min if any part has one (int8 holds every kept type's
-    q: nibbles, 5 and 6 bits; a sym part gets min 0, which adds exactly nothing), with fp16 scales
-    only if every part has them. None if a part is not kept (the weight is then stored
-    dequantized)."""
+    q: nibbles, 5 and 6 bits; a sym part gets min 0, which adds exactly nothing), with the parts'
+    scale storage where they share it, else fp32. None if a part is not kept (the weight is then
+    stored dequantized)."""
     if any(f is None for f in formats):
         return None
     if len(set(formats)) == 1:
         return formats[0]
+    scales = {f.scales for f in formats}
     return WeightFormat(
-        "int8", min(f.group for f in formats), any(f.asym for f in formats), all(f.half for f in formats)
+        "int8",
+        min(f.group for f in formats),
+        any(f.asym for f in formats),
+        scales.pop() if len(scales) == 1 else "f32",
     )
 
 
@@ -133,13 +140,63 @@ def requantize(
 def _stored_params(
     scale: torch.Tensor, mins: torch.Tensor, fmt: WeightFormat
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A group's scale and min in the format's dtype: fp16 only where that holds them exactly."""
-    if not fmt.half:
+    """Group scales and mins ``[rows, groups]`` (fp32 values) as the format stores them: fp32,
+    fp16 or two-level, each only where it gives the values back exactly (else AssertionError)."""
+    if fmt.scales == "f32":
         return scale, mins
-    s16, m16 = scale.half(), mins.half()
-    if not (torch.equal(s16.float(), scale) and torch.equal(m16.float(), mins)):
-        raise AssertionError(f"{fmt.name}: a GGUF scale or min is not an fp16 value")
-    return s16, m16
+    if fmt.scales == "k":
+        k = scale.shape[1] * fmt.group
+        stored = (
+            k_factors(scale, SUPER // fmt.group),
+            (k_factors(mins, SUPER // fmt.group) if fmt.asym else mins),
+        )
+        back = group_values(stored[0], k), (group_values(stored[1], k) if fmt.asym else mins)
+    else:
+        stored = scale.half(), mins.half()
+        back = stored[0].float(), stored[1].float()
+    if not (torch.equal(back[0], scale) and torch.equal(back[1], mins)):
+        raise AssertionError(f"{fmt.name}: GGUF scales or mins that {fmt.scales} storage does not hold")
+    return stored
+
+
+# The int8 factor of a super-block's largest group to try first: 63 (Q4_K / Q5_K's 6-bit scales and
+# mins: llama.cpp maps the largest to 63), -128 and 127 (Q6_K's signed ones), then every other.
+_FIRST = (63, -63, -128, 127)
+
+
+def k_factors(v: torch.Tensor, gps: int) -> torch.Tensor:
+    """Group values ``v [rows, groups]`` (fp32, each an fp16 times a small integer within its
+    super-block of ``gps`` groups) -> the two-level layout ``uint8 [rows, 2 * super-blocks +
+    groups]`` (``model/quant.py: group_values``); AssertionError if some super-block has no such
+    factors. Any fp16 ``d`` and int8 ``c`` with ``d * c == v`` will do, so it tries ``d = v_max /
+    c`` for the super-block's largest value and each ``c`` in turn, on the super-blocks not yet
+    factored (a K-quant file's almost all take the first: llama.cpp maps the largest to 63 or -128)."""
+    rows, ng = v.shape
+    if ng % gps:
+        raise AssertionError(f"{ng} groups a row: {SUPER}-weight super-blocks do not divide them")
+    sb = v.reshape(-1, gps)
+    top = sb.gather(-1, sb.abs().argmax(dim=-1, keepdim=True))
+    d = torch.zeros_like(top)
+    todo = (top[:, 0] != 0).nonzero()[:, 0]  # all-zero super-blocks: d = 0
+    for c in [*_FIRST, *(c for c in range(-128, 128) if c and c not in _FIRST)]:
+        if todo.numel() == 0:
+            break
+        part, cand = sb[todo], (top[todo] / c).half().float()
+        f = part / torch.where(cand != 0, cand, torch.ones_like(cand))
+        exact = (f == f.round()) & (f >= -128) & (f <= 127) & (cand * f == part)
+        ok = (cand[:, 0] != 0) & exact.all(-1)
+        d[todo[ok]] = cand[ok]
+        todo = todo[~ok]
+    if todo.numel():
+        raise AssertionError(
+            f"{todo.numel()} super-blocks of GGUF group scales without an fp16 x int8 factoring"
+        )
+    c = torch.where(d != 0, sb / torch.where(d != 0, d, torch.ones_like(d)), torch.zeros_like(sb))
+    nsb = ng // gps
+    out = torch.empty(rows, 2 * nsb + ng, dtype=torch.uint8)
+    out[:, : 2 * nsb] = d.reshape(rows, nsb).half().view(torch.uint8)
+    out[:, 2 * nsb :] = c.round().to(torch.int8).reshape(rows, ng).view(torch.uint8)
+    return out
 
 
 def _requantize_rows(w, s, m, fmt: WeightFormat, name: str) -> tuple[tuple[torch.Tensor, ...], int]:
@@ -149,15 +206,16 @@ def _requantize_rows(w, s, m, fmt: WeightFormat, name: str) -> tuple[tuple[torch
     sg, mg = s.reshape(n, k // g, g), m.reshape(n, k // g, g)
     if not (torch.equal(sg, sg[..., :1].expand_as(sg)) and torch.equal(mg, mg[..., :1].expand_as(mg))):
         raise AssertionError(f"{name}: GGUF scales change within a {g}-weight group of {fmt.name}")
-    scale, mins = _stored_params(sg[..., 0].contiguous(), mg[..., 0].contiguous(), fmt)
+    values = sg[..., 0].contiguous(), mg[..., 0].contiguous()
+    scale, mins = _stored_params(*values, fmt)  # checked: they hold ``values`` exactly
     sd = s.double()
     safe = torch.where(sd != 0, sd, torch.ones_like(sd))
     q = torch.round((w.double() - m.double()) / safe).where(sd != 0, torch.zeros_like(sd))
     if fmt.kind == "int4":
         q = q if fmt.asym else q + 8  # the stored nibble
         stored = pack_int4(q.clamp(0, 15).to(torch.uint8))
-        back = dequantize_int4(stored, scale, mins if fmt.asym else None)
+        back = dequantize_int4(stored, values[0], values[1] if fmt.asym else None)
     else:
         stored = q.clamp(-128, 127).to(torch.int8)
-        back = dequantize_int8(stored, scale, mins if fmt.asym else None)
+        back = dequantize_int8(stored, values[0], values[1] if fmt.asym else None)
     return (stored, scale, mins), int((back != w).sum())
