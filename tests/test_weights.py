@@ -78,7 +78,8 @@ def test_reduced_weights_stay_close_to_fp32_tiny(fmt, kernels):
             (lin.weight.shape[0],) if f.group is None else (lin.weight.shape[0], k // f.group)
         )
         assert hasattr(lin, "min") == f.asym
-        assert lin.scale.dtype == (torch.float16 if f.scales == "f16" else torch.float32)  # int4: fp16 unless -f32
+        # int4: fp16 scales unless -f32; int8: fp32 unless -f16
+        assert lin.scale.dtype == (torch.float16 if f.scales == "f16" else torch.float32)
     err = float((_prefill_logits(ref) - _prefill_logits(low)).abs().max())
     assert 0 < err < TINY_TOL[fmt], err  # > 0: the format really is in use
 
