@@ -67,7 +67,7 @@ int64_t lanes_per_scale(Kind F, int64_t G) {
 
 struct Weights {
   const uint8_t* w;
-  nxdc_cpu::GroupRows scale;  // [N, ng], fp32 or fp16
+  nxdc_cpu::GroupRows scale;  // [N, ng]: fp32, fp16 or two-level
   nxdc_cpu::GroupRows mins;   // [N, ng] or none
   int64_t K, N, ng, G;
 };

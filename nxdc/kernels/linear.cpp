@@ -271,7 +271,7 @@ inline float to_float(typename Store<F>::T v) {
 struct Args {
   const float* x;
   const void* w;
-  nxdc_cpu::GroupRows scale;  // [N] (Row: fp32) or [N, ng] (fp32 or fp16)
+  nxdc_cpu::GroupRows scale;  // [N] (Row: fp32) or [N, ng] groups (fp32, fp16 or two-level)
   nxdc_cpu::GroupRows mins;   // GroupMin: [N, ng], beside scale
   const int32_t* gidx;
   float* out;
