@@ -379,3 +379,9 @@ def test_format_names_round_trip():
     for bad in ("int4-asym-g32-f32", "int4-g32", "int8-g48-k", "int4-asym-f16"):
         with pytest.raises(ValueError):
             weight_format.parse(bad)
+    # only gguf_quant.requantize writes two-level scales (it factors a K-quant's own): nxdc's own
+    # quantizers refuse them rather than store fp32 scales under a -k name
+    from nxdc.errors import UnsupportedError
+
+    with pytest.raises(UnsupportedError, match="kept from GGUF K-quants only"):
+        stored_tensors("q.weight", torch.randn(4, 256), torch.uint8, "int4-asym-g32-k")
