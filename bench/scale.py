@@ -20,6 +20,7 @@ disk) are skipped with a line saying so. Writes bench/results/<date>-scale-<host
   gguf-q4_k_m the Q4_K_M GGUF kept as stored (``--weights auto``) ↔ Q4_K_M ·
   int4-a8 / gguf-q4_k_m-a8 the same two with ``--decode-matmul int8`` ↔ Q4_K_M ·
   int4-sym-a8 ``--weights int4-sym --decode-matmul int8`` ↔ Q4_0 ·
+  int4-k-a8 ``--weights int4-k --decode-matmul int8`` ↔ Q4_K_M ·
   int8 ``--weights int8`` ↔ Q8_0 (int8-a8: with ``--decode-matmul int8``; int8-tiles /
   int8-tiles-a8: those with ``--prefill-matmul tiles-int8``) · bf16 ``--weights bf16`` ↔ BF16 · dtype-bf16 ``--dtype bf16`` ↔ BF16
 
@@ -63,6 +64,8 @@ FORMATS = {
     "int4-a8": (["--weights", "int4", "--decode-matmul", "int8"], "Q4_K_M", False),
     "gguf-q4_k_m-a8": (["--weights", "auto", "--decode-matmul", "int8"], "Q4_K_M", True),
     "int4-sym-a8": (["--weights", "int4-sym", "--decode-matmul", "int8"], "Q4_0", False),
+    # two-level scales and mins, as Q4_K's (4.6 bits a weight where int4's fp16 ones take 5)
+    "int4-k-a8": (["--weights", "int4-k", "--decode-matmul", "int8"], "Q4_K_M", False),
     "int8": (["--weights", "int8"], "Q8_0", False),
     "int8-a8": (["--weights", "int8", "--decode-matmul", "int8"], "Q8_0", False),
     # prompts on bf16 tiles too (docs/weights.md: --prefill-matmul tiles-int8)

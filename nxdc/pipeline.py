@@ -244,12 +244,10 @@ def stored_tensors(
     if dtype not in (torch.int8, torch.uint8):
         return {name: w.to(dtype).contiguous()}
     f = weight_format.parse(fmt)
-    if f.scales == "k":  # (from_user refuses it; only gguf_quant.requantize writes it)
-        raise UnsupportedError(f"{fmt}: two-level scales are kept from GGUF K-quants only")
     if f.kind == "int4":
-        q, scale, mins = quantize_int4(w, f.group, f.asym, f.scales == "f16")
+        q, scale, mins = quantize_int4(w, f.group, f.asym, f.scales)
     else:
-        q, scale = quantize_int8(w, f.group, f.scales == "f16")
+        q, scale = quantize_int8(w, f.group, f.scales)
         mins = None
         if f.asym:
             raise UnsupportedError(f"--weights {fmt}: int8 with mins is kept from GGUF files only")

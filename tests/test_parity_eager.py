@@ -26,6 +26,7 @@ CASES = {
     "mqa-tied": {"num_key_value_heads": 1, "tie_word_embeddings": True},
     "llama3-rope": {"rope_scaling": LLAMA3},
     "linear-rope": {"rope_scaling": {"rope_type": "linear", "factor": 2.0}},
+    "wide": {"hidden_size": 256, "intermediate_size": 512},  # inputs a multiple of 256: int4-k
     "bias-odd-heads": {
         "attention_bias": True,
         "mlp_bias": True,

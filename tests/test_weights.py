@@ -36,10 +36,10 @@ TINY_TOL = {
 STORED_DTYPE = {"fp16": torch.float16, "bf16": torch.bfloat16, "int8": torch.int8, "int4": torch.uint8}
 
 
-def _tiny_models(fmt: str, kernels: bool):
+def _tiny_models(fmt: str, kernels: bool, case: str = "gqa"):
     from test_parity_eager import build
 
-    _, ref = build("gqa", torch.float32, batch=1, max_seq=32, kernels=kernels)
+    _, ref = build(case, torch.float32, batch=1, max_seq=32, kernels=kernels)
     from nxdc.model.decoder import Decoder
 
     canonical = weight_format.from_user(fmt).name
@@ -82,6 +82,27 @@ def test_reduced_weights_stay_close_to_fp32_tiny(fmt, kernels):
         assert lin.scale.dtype == (torch.float16 if f.scales == "f16" else torch.float32)
     err = float((_prefill_logits(ref) - _prefill_logits(low)).abs().max())
     assert 0 < err < TINY_TOL[fmt], err  # > 0: the format really is in use
+
+
+def test_two_level_int4_tiny():
+    """``--weights int4-k`` on a tiny model whose every row has a multiple of 256 inputs: two-level
+    scales and mins (uint8), close to fp32 weights, the kernels and PyTorch's path agreeing; the
+    embedding and lm_head keep fp16 scales (an embedding lookup reads no two-level ones)."""
+    if not ensure_loaded():
+        pytest.skip("nxdc CPU kernels unavailable on this machine")
+    ref, low = _tiny_models("int4-k", True, "wide")
+    _, eager = _tiny_models("int4-k", False, "wide")
+    for lin in (low.layers[0].self_attn.qkv_proj, low.layers[1].mlp.down_proj):
+        k = lin.weight.shape[1] * 2
+        assert lin.scale.dtype == lin.min.dtype == torch.uint8
+        assert lin.scale.shape == (lin.weight.shape[0], 2 * k // 256 + k // 32)
+    assert low.lm_head.scale.dtype == low.embed_tokens.scale.dtype == torch.float16
+    out, back, want = _prefill_logits(low), _prefill_logits(eager), _prefill_logits(ref)
+    err = float((want - out).abs().max())
+    # this model's logits reach ~5: int4 with fp32 scales errs by ~1.9 (two-level measured 2.05)
+    f32 = float((want - _prefill_logits(_tiny_models("int4-f32", True, "wide")[1])).abs().max())
+    assert 0 < err < 1.25 * f32, (err, f32)
+    assert float((out - back).abs().max()) < 1e-4
 
 
 def test_kernel_and_pytorch_paths_agree_tiny():
@@ -278,7 +299,8 @@ def test_weights_option_validation(tiny_gqa, tmp_path):
         (("--weights", "int4-g48"), "multiple of 32"),
         (("--weights", "int8-g8"), "multiple of 16"),
         (("--weights", "int8-asym"), "not a choice"),
-        (("--weights", "int4-k"), "come only from a GGUF file's K-quants"),
+        (("--weights", "int4-k"), "which 256-weight super-blocks do not divide"),
+        (("--weights", "int4-g96-k"), "groups that divide 256 weights"),
     ]:
         res = dry(*flags)
         assert res.exit_code != 0 and why in res.output and "Traceback" not in res.output, res.output
@@ -379,9 +401,8 @@ def test_format_names_round_trip():
     for bad in ("int4-asym-g32-f32", "int4-g32", "int8-g48-k", "int4-asym-f16"):
         with pytest.raises(ValueError):
             weight_format.parse(bad)
-    # only gguf_quant.requantize writes two-level scales (it factors a K-quant's own): nxdc's own
-    # quantizers refuse them rather than store fp32 scales under a -k name
-    from nxdc.errors import UnsupportedError
-
-    with pytest.raises(UnsupportedError, match="kept from GGUF K-quants only"):
-        stored_tensors("q.weight", torch.randn(4, 256), torch.uint8, "int4-asym-g32-k")
+    assert weight_format.from_user("int4-k").name == "int4-asym-g32-k"
+    # nxdc's own quantizers write two-level scales under a -k name (uint8 [N, 2 * K/256 + K/G])
+    got = stored_tensors("q.weight", torch.randn(4, 512), torch.uint8, "int4-asym-g32-k")
+    assert got["q.scale"].dtype == torch.uint8 and got["q.scale"].shape == (4, 2 * 2 + 16)
+    assert got["q.min"].shape == (4, 20)

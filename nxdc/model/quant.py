@@ -19,9 +19,14 @@ weight j in its low nibble and weight 16 + j in its high one, GGUF Q4_0's order)
 magnitude maps to -8, so the 16 levels are all used). Asymmetric: ``w ~= nibble * scale + min``
 with ``min`` the group's minimum and ``scale = (max - min) / 15``.
 
-With ``half`` the group scales (and mins) are stored as fp16 (``--weights int4``'s default): each is
-rounded to fp16 first and the codes are chosen against the rounded values, so the stored triple
-dequantizes as above with no further rounding (the kernels convert fp16 to fp32 exactly).
+``scales`` says how group scales (and mins) are stored (``weight_format.SCALES``): fp32; fp16
+(``--weights int4``'s default: each rounded to the nearest fp16); or two-level, ``k`` (per 256
+weights an fp16 ``d``, per group an int8 factor ``c``, the value ``d * c``: a GGUF K-quant's form,
+``two_level``). Either way the values are rounded first and the codes chosen against the rounded
+values, so the stored triple dequantizes as above with no further rounding (the kernels form
+``d * c`` and convert fp16 to fp32 exactly). Two-level rounding is directed so that no weight is
+clipped: a scale rounds away from zero, a min down, and the scale covers the group's range from
+its rounded min.
 
 Either format may carry a ``min`` per group (``w = q * scale + min``: multiply, then add, as
 gguf's Q4_1 / Q4_K / Q5_K dequantisation does): how GGUF files keep their bits (``nxdc.weights.gguf_quant``)."""
@@ -50,37 +55,73 @@ def _check_group(k: int, group_size: int | None) -> None:
 
 
 def quantize_int8(
-    w: torch.Tensor, group_size: int | None = None, half: bool = False
+    w: torch.Tensor, group_size: int | None = None, scales: str = "f32"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8 of a weight ``w [N, K]``: returns ``(q int8 [N, K], scale)`` where scale is
-    ``[N]`` (``group_size=None``: per output channel) or ``[N, K // group_size]``, fp32 or (``half``,
-    group scales only) fp16."""
+    ``[N]`` (``group_size=None``: per output channel) or per group of ``group_size``, stored as
+    ``scales`` says (group scales only: fp32 ``[N, K // G]``, fp16, or two-level)."""
     if w.dim() != 2:
         raise ValueError(f"quantize_int8 expects a 2-D weight [N, K], got shape {tuple(w.shape)}")
     n, k = w.shape
     _check_group(k, group_size)
-    if half and group_size is None:
-        raise ValueError("quantize_int8: fp16 scales are for group scales only")
+    if scales != "f32" and group_size is None:
+        raise ValueError(f"quantize_int8: {scales} scales are for group scales only")
+    _check_scales(k, group_size, scales)
     g = k if group_size is None else group_size
     q = torch.empty((n, k), dtype=torch.int8)
-    scale = torch.zeros((n, k // g if k else 0))
+    stored = []
     step = max(1, CHUNK_WEIGHTS // max(1, k))
     for r in range(0, n if k else 0, step):
         wg = w[r : r + step].detach().to(torch.float32).reshape(-1, k // g, g)
         s = _least_error_scale(wg) if group_size else wg.abs().amax(dim=-1) / QMAX
-        if half:
-            s = _as_half(s)
+        kept, s = rounded(s, scales, g, "out")
         safe = torch.where(s > 0, s, torch.ones_like(s)).unsqueeze(-1)
         q[r : r + step] = torch.round(wg / safe).clamp_(-QMAX, QMAX).reshape(-1, k).to(torch.int8)
-        scale[r : r + step] = s
+        stored.append(kept)
     if group_size is None:
-        scale = scale.reshape(n) if k else torch.zeros(n)
-    return q, (scale.half() if half else scale)
+        return q, torch.cat(stored).reshape(n) if stored else torch.zeros(n)
+    return q, torch.cat(stored) if stored else rounded(torch.zeros(n, k // g), scales, g, "out")[0]
 
 
-def _as_half(t: torch.Tensor) -> torch.Tensor:
-    """``t`` rounded to fp16 values (kept in fp32)."""
-    return t.half().float()
+def _check_scales(k: int, group_size: int | None, scales: str) -> None:
+    if scales == "k" and (group_size is None or SUPER % group_size or k % SUPER):
+        raise ValueError(
+            f"two-level scales need groups that divide {SUPER} weights and K={k} a multiple of {SUPER}"
+        )
+
+
+def rounded(v: torch.Tensor, scales: str, group: int, way: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group values ``v [N, groups]`` (fp32) as ``scales`` stores them: ``(stored, their fp32
+    values)``. fp32 as they are; fp16 to nearest; two-level (``two_level``) rounded ``way``:
+    ``out`` (away from zero: a scale that clips nothing) or ``down`` (a min at or below)."""
+    if scales == "f32":
+        return v, v
+    if scales == "f16":
+        h = v.half()
+        return h, h.float()
+    stored = two_level(v, SUPER // group, way)
+    return stored, group_values(stored, v.shape[1] * group)
+
+
+def two_level(v: torch.Tensor, gps: int, way: str) -> torch.Tensor:
+    """Group values ``v [N, groups]`` -> the two-level layout (``group_values``) with ``gps``
+    groups a super-block: ``d`` the fp16 at or above ``max|v| / 127`` nearest to it, each ``c``
+    ``v / d`` rounded ``way`` (``out``: away from zero; ``down``), so ``|c| <= 127`` and each value
+    moves by less than ``d`` (its super-block's largest / 127), in the chosen direction."""
+    n, ng = v.shape
+    nsb = ng // gps
+    sb = v.reshape(n, nsb, gps)
+    top = sb.abs().amax(dim=-1)
+    d = (top / QMAX).half()
+    short = d.float() * QMAX < top  # rounded below: the next fp16 up (d > 0 here, so +1 ulp)
+    d = torch.where(short, (d.view(torch.int16) + 1).view(torch.float16), d)
+    df = d.float().unsqueeze(-1)
+    r = sb / torch.where(df > 0, df, torch.ones_like(df))
+    c = torch.floor(r) if way == "down" else torch.ceil(r.abs()) * torch.sign(r)
+    out = torch.empty(n, 2 * nsb + ng, dtype=torch.uint8)
+    out[:, : 2 * nsb] = d.view(torch.uint8).reshape(n, 2 * nsb)
+    out[:, 2 * nsb :] = c.clamp_(-128, QMAX).to(torch.int8).reshape(n, ng).view(torch.uint8)
+    return out
 
 
 def _least_error_scale(wg: torch.Tensor) -> torch.Tensor:
@@ -160,33 +201,30 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_int4(
-    w: torch.Tensor, group_size: int = 32, asymmetric: bool = False, half: bool = False
+    w: torch.Tensor, group_size: int = 32, asymmetric: bool = False, scales: str = "f32"
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Group-wise int4 of ``w [N, K]``: ``(packed uint8 [N, K // 2], scale [N, K // G],
-    min [N, K // G] or None)``, scale and min fp32 or (``half``) fp16."""
+    """Group-wise int4 of ``w [N, K]``: ``(packed uint8 [N, K // 2], scale, min or None)``, scale
+    and min stored as ``scales`` says (fp32 / fp16 ``[N, K // G]``, or two-level)."""
     if w.dim() != 2:
         raise ValueError(f"quantize_int4 expects a 2-D weight [N, K], got shape {tuple(w.shape)}")
     n, k = w.shape
     _check_int4_group(k, group_size)
+    _check_scales(k, group_size, scales)
     wg = w.detach().to(torch.float32).reshape(n, k // group_size, group_size)
     if asymmetric:
         lo, hi = wg.amin(dim=-1), wg.amax(dim=-1)
-        lo = _as_half(lo) if half else lo
-        scale = (hi - lo) / 15
-        scale = _as_half(scale) if half else scale
+        mins, lo = rounded(lo, scales, group_size, "down")
+        stored, scale = rounded((hi - lo) / 15, scales, group_size, "out")
         safe = torch.where(scale > 0, scale, torch.ones_like(scale))
         q = torch.round((wg - lo.unsqueeze(-1)) / safe.unsqueeze(-1)).clamp_(0, 15)
-        mins = lo.contiguous()
+        mins = mins.contiguous()
     else:  # llama.cpp Q4_0: the value of largest magnitude maps to -8
         idx = wg.abs().argmax(dim=-1, keepdim=True)
-        scale = wg.gather(-1, idx).squeeze(-1) / -8
-        scale = _as_half(scale) if half else scale
+        stored, scale = rounded(wg.gather(-1, idx).squeeze(-1) / -8, scales, group_size, "out")
         safe = torch.where(scale != 0, scale, torch.ones_like(scale))
         q = (torch.round(wg / safe.unsqueeze(-1)) + 8).clamp_(0, 15)
         mins = None
-    if half:
-        scale, mins = scale.half(), None if mins is None else mins.half()
-    return pack_int4(q.reshape(n, k)), scale.contiguous(), mins
+    return pack_int4(q.reshape(n, k)), stored.contiguous(), mins
 
 
 def dequantize_int4(

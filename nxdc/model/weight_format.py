@@ -20,7 +20,9 @@ canonical name:
 - ``-k``: two-level scales, as a GGUF K-quant (Q4_K, Q5_K, Q6_K) stores them: per group an int8
   factor, per 256 weights an fp16 factor, the group's scale their product (exact in fp32; a
   K-quant's scale is an fp16 times a 6-bit integer, which fp16 alone does not hold). Kept K-quant
-  tensors load so (4.6 bits a weight for Q4_K, not 6); nxdc does not quantize to it itself;
+  tensors load so (4.6 bits a weight for Q4_K, not 6), and ``--weights int4-k`` quantizes to it
+  (``int4-asym-g32-k``: 4.6 bits where ``int4`` takes 5; every rank's inputs per row must be a
+  multiple of 256, so not SmolLM2's 576; its embedding and lm_head keep fp16 scales);
 - ``gguf``: each weight as its GGUF file stores it (``--weights auto`` on a GGUF source): the plan's
   ``weight_map`` names each module's format (``nxdc.weights.gguf_quant``); modules it leaves out
   are stored in the compute dtype.
@@ -86,8 +88,8 @@ def module_format(name: str, module: str, weight_map: dict[str, str] | None = No
     if name == GGUF:
         return (weight_map or {}).get(module)
     f = parse(name)
-    if f.kind == "int4" and module.split(".")[0] in INT8_TABLES:
-        return WeightFormat("int8", DEFAULT_GROUP, scales=f.scales).name
+    if f.kind == "int4" and module.split(".")[0] in INT8_TABLES:  # (a lookup reads no two-level scales)
+        return WeightFormat("int8", DEFAULT_GROUP, scales="f16" if f.scales == "k" else f.scales).name
     return name
 
 
@@ -113,7 +115,7 @@ def parse(name: str) -> WeightFormat:
 
 def from_user(value: str) -> WeightFormat:
     """``--weights`` -> its format: ``int8`` and ``int4`` mean group 32 (int4 with fp16 scales and
-    mins, int8 with fp32 scales: ``-f16`` / ``-f32`` choose), ``int8-row`` one scale per row.
+    mins, int8 with fp32 scales: ``-f16`` / ``-f32`` / ``-k`` choose), ``int8-row`` one scale per row.
     ValueError with a one-line reason for anything else."""
     if value in FLOAT_KINDS:
         return WeightFormat(value)
@@ -123,14 +125,10 @@ def from_user(value: str) -> WeightFormat:
     if not m:
         raise ValueError(
             f"--weights must be one of {', '.join(CHOICES)} (int8 / int4 also as -gG, e.g. int4-g128, and "
-            f"-f16 / -f32 for the scales' dtype, e.g. int4-f32), got {value!r}"
+            f"-f16 / -f32 / -k for how scales are stored, e.g. int4-f32), got {value!r}"
         )
     if m.group(1) == "int8" and m.group(2) == "-asym":
         raise ValueError("--weights int8-asym is not a choice: int8's 255 levels gain nothing from a min")
-    if m.group(4) == "k":
-        raise ValueError(
-            f"--weights {value}: two-level (-k) scales come only from a GGUF file's K-quants (--weights auto)"
-        )
     group = int(m.group(3)) if m.group(3) else DEFAULT_GROUP
     return _checked(m.group(1), group, _asym(m), m.group(4) or SCALES_DEFAULT[m.group(1)], value)
 
