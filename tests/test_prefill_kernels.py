@@ -34,8 +34,9 @@ def exact(fmt: str):
     return ops.linear_bf16 if fmt == "bf16" else ops.linear_i4 if fmt.startswith("i4") else ops.linear_i8
 
 
-# int8 with one scale (no mins) takes the activations as two bf16 parts (hi + lo: x within 2^-17)
-SPLIT = {"i8", "i8g32"}
+# int8 with one scale (no mins) and bf16 weights take fp32 activations as two bf16 parts (hi + lo:
+# x within 2^-17)
+SPLIT = {"i8", "i8g32", "bf16"}
 
 
 def check(got: torch.Tensor, x: torch.Tensor, wd: torch.Tensor, fmt: str) -> None:
@@ -82,12 +83,29 @@ def test_tile_rows_do_not_depend_on_the_rows_beside_them(fmt):
 
 @pytest.mark.skipif(not TILES, reason=NO_TILES)
 def test_tiles_are_taken_where_the_cpu_has_them():
-    """bf16-rounded activations: the tile path's result differs from the exact kernel's."""
+    """Activations as two bf16 parts: the tile path's result differs from the exact kernel's."""
     torch.manual_seed(7)
     x, w = torch.randn(16, 64), torch.randn(8, 64).bfloat16()
     got = torch.ops.nxdc.prefill_linear(x, w)
     assert not torch.equal(got, torch.ops.nxdc.linear_bf16(x, w))
     check(got, x, w.float(), "bf16")
+
+
+@pytest.mark.skipif(not TILES, reason=NO_TILES)
+def test_bf16_activations_on_bf16_weights_take_one_part():
+    """x whose values are bf16 already (``--dtype bf16``) on bf16 weights: the second part is all
+    zero and its pass is skipped, which gives the bits the pass would (a row's result does not
+    depend on whether the rows beside it have a second part), within the one-part bound."""
+    torch.manual_seed(8)
+    w = torch.randn(96, 832).bfloat16()
+    x = torch.randn(40, 832)
+    x[:24] = x[:24].bfloat16().float()  # rows 0..23 bf16-valued, 24..39 not
+    full = torch.ops.nxdc.prefill_linear(x, w)
+    head = torch.ops.nxdc.prefill_linear(x[:24].contiguous(), w)
+    assert torch.equal(head, full[:24])
+    ref = x[:24].double() @ w.double().t()
+    bound = 1e-6 * 832**0.5 * (x[:24].double().abs() @ w.double().abs().t()) + 1e-30
+    assert bool(((head.double() - ref).abs() <= bound).all())
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -139,7 +157,7 @@ def test_bad_arguments_raise_the_exact_ops_errors(args, message):
         (torch.float32, "int4-sym-g64", (True, True)),
         (torch.bfloat16, None, (True, True)),  # --dtype bf16
         (torch.float32, None, (False, False)),
-        (torch.float32, "bf16", (False, False)),  # --weights bf16: fp32 activations stay exact
+        (torch.float32, "bf16", (True, True)),  # --weights bf16: fp32 activations as two bf16 parts
         (torch.float32, "int8-g32", (False, True)),  # --weights int8
         (torch.float32, "int8-g32-f16", (False, True)),  # a kept Q8_0
         (torch.float32, "int8", (False, True)),  # --weights int8-row

@@ -15,7 +15,10 @@
 // one scale a group or row it cost greedy text (SmolLM2: 11 of 20 chat prompts kept fp32's 32
 // tokens, against 15 with exact products), so there x goes in as two bf16 parts, hi = bf16(x)
 // and lo = bf16(x - hi), each multiplied by the same converted tile: x within 2^-17, twice the
-// tile products, the weight conversion once. fp32 and fp16 weights, CPUs where oneDNN
+// tile products, the weight conversion once. bf16 weights with fp32 activations (`--weights
+// bf16`) take two parts too: the weights are exact in bf16, so every product is within 2^-17 of
+// the exact one. Where x is bf16 already (`--dtype bf16`) lo is all zero and its pass, which
+// would add exact zeros, is skipped: same bits. fp32 and fp16 weights, CPUs where oneDNN
 // has no AMX (PyTorch packs bf16 for its micro-kernel only there: `could_pack`), K not a multiple
 // of 32 and calls of fewer than 16 rows take linear.cpp's kernels (exact fp32 products).
 //
@@ -232,9 +235,10 @@ at::Tensor tiled_linear(const at::Tensor& x_, const at::Tensor& w_, const at::Te
   }
   const Kind F = kind_of(w);
   // int8 codes with one scale (--weights int8, int8-row, a kept Q8_0) are finer than bf16's
-  // activations: those take the activations as two bf16 parts (twice the tile products, the
-  // conversion once). int4 and the K-quants' int8 with mins are coarse enough for one.
-  const bool split = F == Kind::I8 && S != Scale::GroupMin;
+  // activations, and bf16 weights exact: those take the activations as two bf16 parts (twice
+  // the tile products, the conversion once). int4 and the K-quants' int8 with mins are coarse
+  // enough for one.
+  bool split = (F == Kind::I8 && S != Scale::GroupMin) || F == Kind::BF16;
   at::Tensor xb = at::empty({split ? 2 * M : M, K}, x.options().dtype(at::kBFloat16));
   auto* xp = reinterpret_cast<uint16_t*>(xb.data_ptr<at::BFloat16>());
   uint16_t* lp = split ? xp + M * K : nullptr;
@@ -242,6 +246,8 @@ at::Tensor tiled_linear(const at::Tensor& x_, const at::Tensor& w_, const at::Te
   at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
     to_bf16(xs + r0 * K, xp + r0 * K, lp ? lp + r0 * K : nullptr, (r1 - r0) * K);
   });
+  if (F == Kind::BF16)  // bf16 activations (--dtype bf16): lo is +-0 throughout, nothing to add
+    split = std::any_of(lp, lp + M * K, [](uint16_t v) { return (v & 0x7FFF) != 0; });
   at::Tensor out = at::empty({M, N}, x.options());
   const auto* xbp = xb.data_ptr<at::BFloat16>();
   const auto* xlp = split ? xbp + M * K : nullptr;

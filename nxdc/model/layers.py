@@ -180,17 +180,19 @@ class Linear(nn.Module):
         """Whether this call, in a prefill graph, takes the bf16 tiles (weights rounded to bf16,
         8 significant bits; activations too, or as two bf16 parts): with "tiles", the formats
         whose numerics that keeps: int4 (16 levels), int8 with a min per group (only a GGUF
-        K-quant's 5-6-bit tensors load so: Q5_K, Q6_K) and ``--dtype bf16`` (bf16 already); with
-        "tiles-int8" int8 with one scale a group or row as well (``--weights int8``, a kept Q8_0:
-        its weights' rounding moves greedy text, SmolLM2 kept fp32's 32 tokens on 13 of 20 chat
-        prompts against 15 exact). fp16 and ``--weights bf16`` keep exact fp32 products."""
+        K-quant's 5-6-bit tensors load so: Q5_K, Q6_K), ``--dtype bf16`` (bf16 already) and
+        ``--weights bf16`` (exact in bf16; its fp32 activations go in as two bf16 parts, so each
+        product is within 2^-17 of the exact one); with "tiles-int8" int8 with one scale a group
+        or row as well (``--weights int8``, a kept Q8_0: its weights' rounding moves greedy
+        text, SmolLM2 kept fp32's 32 tokens on 13 of 20 chat prompts against 15 exact). fp16
+        weights keep exact fp32 products (bf16 does not hold them)."""
         mode = _MATMULS.get()
         if mode not in _TILE_MODES:
             return False
         f = self.fmt
         if f is None:
             return self.weight.dtype == dtype == torch.bfloat16
-        return f.kind == "int4" or (f.kind == "int8" and (f.asym or mode == "tiles-int8"))
+        return f.kind in ("int4", "bf16") or (f.kind == "int8" and (f.asym or mode == "tiles-int8"))
 
     def _integer(self) -> bool:
         """Whether this call, in a decode / verify graph, multiplies int8-quantized activations
