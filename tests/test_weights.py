@@ -301,6 +301,7 @@ def test_weights_option_validation(tiny_gqa, tmp_path):
         (("--weights", "int8-asym"), "not a choice"),
         (("--weights", "int4-k"), "which 256-weight super-blocks do not divide"),
         (("--weights", "int4-g96-k"), "groups that divide 256 weights"),
+        (("--weights", "int8-k"), "two-level (-k) scales are for int4"),
     ]:
         res = dry(*flags)
         assert res.exit_code != 0 and why in res.output and "Traceback" not in res.output, res.output

@@ -115,7 +115,7 @@ def parse(name: str) -> WeightFormat:
 
 def from_user(value: str) -> WeightFormat:
     """``--weights`` -> its format: ``int8`` and ``int4`` mean group 32 (int4 with fp16 scales and
-    mins, int8 with fp32 scales: ``-f16`` / ``-f32`` / ``-k`` choose), ``int8-row`` one scale per row.
+    mins, int8 with fp32 scales: ``-f16`` / ``-f32`` choose, ``-k`` for int4), ``int8-row`` one scale per row.
     ValueError with a one-line reason for anything else."""
     if value in FLOAT_KINDS:
         return WeightFormat(value)
@@ -129,6 +129,8 @@ def from_user(value: str) -> WeightFormat:
         )
     if m.group(1) == "int8" and m.group(2) == "-asym":
         raise ValueError("--weights int8-asym is not a choice: int8's 255 levels gain nothing from a min")
+    if m.group(1) == "int8" and m.group(4) == "k":  # its embedding would need them in a lookup
+        raise ValueError(f"--weights {value}: two-level (-k) scales are for int4 (int4-k)")
     group = int(m.group(3)) if m.group(3) else DEFAULT_GROUP
     return _checked(m.group(1), group, _asym(m), m.group(4) or SCALES_DEFAULT[m.group(1)], value)
 
