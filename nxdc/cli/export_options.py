@@ -46,7 +46,7 @@ FLAGS = {
     "weights": Flag(
         "Weight storage: fp32 | fp16 | bf16 | int8 | int8-row | int4 | int4-sym | auto. int8 / int4 scale "
         "groups of 32 inputs (-gG for G, e.g. int4-g64); int4's scales are fp16, int8's fp32 (-f16 / -f32 "
-        "to choose, e.g. int8-f16; -k: two-level, as GGUF K-quants, e.g. int4-k); auto keeps a GGUF file's own quantized tensors "
+        "to choose; int4-k: two-level, as Q4_K); auto keeps a GGUF file's own quantized tensors "
         "(activations stay --dtype fp32; docs/weights.md).",
         "auto for GGUF at --dtype fp32 on CPU, else --dtype",
     ),
