@@ -118,9 +118,16 @@ def two_level(v: torch.Tensor, gps: int, way: str) -> torch.Tensor:
     df = d.float().unsqueeze(-1)
     r = sb / torch.where(df > 0, df, torch.ones_like(df))
     c = torch.floor(r) if way == "down" else torch.ceil(r.abs()) * torch.sign(r)
-    out = torch.empty(n, 2 * nsb + ng, dtype=torch.uint8)
-    out[:, : 2 * nsb] = d.view(torch.uint8).reshape(n, 2 * nsb)
-    out[:, 2 * nsb :] = c.clamp_(-128, QMAX).to(torch.int8).reshape(n, ng).view(torch.uint8)
+    return pack_two_level(d, c.clamp_(-128, QMAX).reshape(n, ng))
+
+
+def pack_two_level(d: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """Super-block factors ``d [N, nsb]`` (fp16 values) and integer group factors ``c [N, ng]``
+    -> the two-level layout ``uint8 [N, 2 * nsb + ng]`` that ``group_values`` reads."""
+    n, nsb = d.shape
+    out = torch.empty(n, 2 * nsb + c.shape[1], dtype=torch.uint8)
+    out[:, : 2 * nsb] = d.half().contiguous().view(torch.uint8)
+    out[:, 2 * nsb :] = c.round().to(torch.int8).view(torch.uint8)
     return out
 
 

@@ -35,7 +35,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from nxdc.model.quant import dequantize_int4, dequantize_int8, group_values, pack_int4
+from nxdc.model.quant import dequantize_int4, dequantize_int8, group_values, pack_int4, pack_two_level
 from nxdc.model.weight_format import SUPER, WeightFormat
 
 # GGUF type name -> (kind, inputs per scale, has a min, how scales and mins are stored)
@@ -192,11 +192,7 @@ def k_factors(v: torch.Tensor, gps: int) -> torch.Tensor:
             f"{todo.numel()} super-blocks of GGUF group scales without an fp16 x int8 factoring"
         )
     c = torch.where(d != 0, sb / torch.where(d != 0, d, torch.ones_like(d)), torch.zeros_like(sb))
-    nsb = ng // gps
-    out = torch.empty(rows, 2 * nsb + ng, dtype=torch.uint8)
-    out[:, : 2 * nsb] = d.reshape(rows, nsb).half().view(torch.uint8)
-    out[:, 2 * nsb :] = c.round().to(torch.int8).reshape(rows, ng).view(torch.uint8)
-    return out
+    return pack_two_level(d.reshape(rows, ng // gps), c.reshape(rows, ng))
 
 
 def _requantize_rows(w, s, m, fmt: WeightFormat, name: str) -> tuple[tuple[torch.Tensor, ...], int]:
